@@ -1,0 +1,492 @@
+"""Atomic, verifiable training checkpoints: one safetensors file per unit plus meta.json.
+
+Layout: RUN_DIR/checkpoints/step_00001234/{stem}.safetensors + meta.json.
+
+A step_* directory only ever appears through an atomic rename of a fully written and fsync'd
+temp directory, so a process killed at any instant leaves either the old state or the new one.
+meta.json records the byte size and sha256 of every file, so damage that happens later (disk
+errors, a truncated copy, a hand edit) is caught before a run resumes from it.
+Only safetensors and JSON are read: a checkpoint can never execute code (no pickle).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+CHECKPOINTS_DIR = "checkpoints"
+META_NAME = "meta.json"
+_SUFFIX = ".safetensors"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+# Temp dirs end in the writer's pid so a later writer can tell a dead writer's leftovers
+# from a directory that a live process is still filling.
+_TMP_RE = re.compile(r"^\.tmp-.+-(\d+)$")
+_STEM_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_RESERVED = ("format_version", "step", "files", "tensors")
+_MAX_STEP = 99_999_999  # step_{:08d} must stay 8 digits or list_checkpoints would not see it
+_HASH_CHUNK = 8 << 20
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing or unusable; the message names the path, the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    files: Iterable[tuple[str, dict[str, torch.Tensor]]],
+    meta: dict,
+    keep: int = 3,
+) -> Path:
+    """Write run_dir/checkpoints/step_{step:08d}/ atomically, then prune old checkpoints.
+
+    `files` is consumed lazily, one (stem, tensors) unit at a time, so the extra RAM needed is
+    one unit's tensors. Returns the final checkpoint directory.
+    """
+    if not 0 <= step <= _MAX_STEP:
+        raise ValueError(f"step must be in 0..{_MAX_STEP}, got {step}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    clash = sorted(set(meta) & set(_RESERVED))
+    if clash:
+        raise ValueError(f"meta keys {clash} are reserved by the checkpoint format; rename them")
+    json.dumps(meta)  # fail before writing gigabytes if meta is not JSON-serialisable
+
+    started = time.monotonic()
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(root.parent)
+    final = root / f"step_{step:08d}"
+    if final.exists() and not final.is_dir():  # never swap our dir with a foreign file
+        raise CheckpointError(
+            f"{final} exists and is not a checkpoint directory; move it away and save again"
+        )
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():  # left by an earlier failed save in this same process
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        file_info, owner = _write_files(tmp, files)
+        doc = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "files": file_info,
+            "tensors": owner,
+            **meta,
+        }
+        # meta.json goes last: with it every file is final, so it marks the dir as complete.
+        _write_json(tmp / META_NAME, doc)
+        _fsync_dir(tmp)
+        replaced = _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)  # make the rename itself durable
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    try:
+        _prune(root, keep, final)
+    except OSError as e:  # the checkpoint is safely written; a failed cleanup must not undo that
+        log.warning("checkpoint %s saved, but pruning old checkpoints failed: %s", final, e)
+    total = sum(info["bytes"] for info in file_info.values())
+    log.info(
+        "saved checkpoint %s (%d files, %.1f MB) in %.2fs",
+        final,
+        len(file_info),
+        total / 1e6,
+        time.monotonic() - started,
+    )
+    return final
+
+
+def _write_files(
+    tmp: Path, files: Iterable[tuple[str, dict[str, torch.Tensor]]]
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    file_info: dict[str, dict[str, Any]] = {}
+    owner: dict[str, str] = {}
+    for stem, tensors in files:
+        if not isinstance(stem, str) or not _STEM_RE.match(stem):
+            raise ValueError(f"file stem {stem!r} must match {_STEM_RE.pattern}")
+        name = stem + _SUFFIX
+        if name in file_info:
+            raise ValueError(f"file stem {stem!r} is given twice; stems must be unique")
+        prepared: dict[str, torch.Tensor] = {}
+        for tname, tensor in tensors.items():
+            if tname in owner:
+                raise ValueError(
+                    f"tensor name {tname!r} appears in both {owner[tname]!r} and {stem!r}; "
+                    "tensor names must be unique across files"
+                )
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{stem}/{tname} is a {type(tensor).__name__}, not a tensor")
+            owner[tname] = stem
+            # safetensors refuses non-contiguous tensors and tensors sharing storage; a fresh
+            # contiguous CPU copy satisfies both and cannot change under us while writing.
+            prepared[tname] = tensor.detach().to(
+                "cpu", copy=True, memory_format=torch.contiguous_format
+            )
+        # Drop references before the generator produces the next unit, so peak is one unit.
+        del tensors
+        path = tmp / name
+        save_file(prepared, str(path))
+        del prepared
+        file_info[name] = _sync_and_hash(path)
+    return file_info, owner
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_and_hash(path: Path) -> dict[str, Any]:
+    # Hash the written file (normally still in page cache) instead of serialising to bytes in
+    # RAM first, which would double the peak memory of a unit.
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    size, sha = _hash_file(path)
+    return {"bytes": size, "sha256": sha}
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    # Chunked so that hashing a multi-GB file needs only one small buffer.
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot fsync a directory; nothing more we can do
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directories (Linux renameat2); False where unsupported."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _publish(tmp: Path, final: Path) -> Path | None:
+    """Move tmp to final; return the directory holding a replaced old checkpoint, if any."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return None
+    # Re-saving a step: swap atomically so step_N is never absent, even for an instant.
+    if _exchange(tmp, final):
+        return tmp
+    # Fallback without renameat2: old one aside first, delete only once the new one is in place.
+    aside = final.with_name(f".tmp-replaced-{final.name}-{os.getpid()}")
+    os.rename(final, aside)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(aside, final)
+        raise
+    return aside
+
+
+def _prune(root: Path, keep: int, current: Path) -> None:
+    _remove_stale_tmp(root)
+    dirs = list_checkpoints(root)
+    valid = 0
+    for i in range(len(dirs) - 1, -1, -1):
+        # Sizes only, no hashing: re-hashing every kept checkpoint on each save would cost
+        # minutes for a large model; the one just written is valid by construction.
+        if dirs[i] == current or _quick_problem(dirs[i]) is None:
+            valid += 1
+            if valid == keep:
+                for old in dirs[:i]:
+                    _remove_dir(old)
+                return
+
+
+def _remove_dir(path: Path) -> None:
+    # Rename first so a kill mid-delete leaves a .tmp-* dir (cleaned later), never a
+    # half-deleted step_* dir that looks like a checkpoint.
+    doomed = path.with_name(f".tmp-pruned-{path.name}-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    log.info("pruned old checkpoint %s", path)
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    # Pid liveness is per host: on a filesystem shared by several hosts each host should use
+    # its own run dir, or a live writer elsewhere could lose its temp dir.
+    for entry in root.iterdir():
+        m = _TMP_RE.match(entry.name)
+        if not m or not entry.is_dir():
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        log.info("removed %s left by dead writer pid %d", entry, pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # os.kill(0, ...) would signal our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: exists but belongs to another user
+        return True
+    return True
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def list_checkpoints(path: Path) -> list[Path]:
+    """Step dirs under a run dir or its checkpoints/ dir, oldest to newest."""
+    path = Path(path)
+    root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), entry)
+        for entry in root.iterdir()
+        if (m := _STEP_RE.match(entry.name)) and entry.is_dir()
+    ]
+    return [entry for _, entry in sorted(found)]
+
+
+def find_latest(path: Path) -> Path:
+    """Newest checkpoint under path that verifies (sizes and sha256); corrupt newer ones skipped."""
+    return _resolve(Path(path), verify=True)[0]
+
+
+def load_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
+    """Open a checkpoint: a step dir, or the newest usable one under a run/checkpoints dir.
+
+    verify=True hashes every file (sha256); verify=False only checks meta.json and file sizes,
+    which is instant but misses damage that keeps the size.
+    """
+    return Checkpoint(*_resolve(Path(path), verify))
+
+
+class Checkpoint:
+    """An opened checkpoint; tensors are read from disk only when asked for."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
+        self.path = path
+        self.meta = meta
+        self.step: int = meta["step"]
+        self._owner: dict[str, str] = dict(meta["tensors"])
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, step={self.step}, tensors={len(self._owner)})"
+
+    def names(self) -> list[str]:
+        return list(self._owner)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[name]
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        by_stem: dict[str, list[str]] = {}
+        for name in names:
+            stem = self._owner.get(name)
+            if stem is None:
+                raise CheckpointError(
+                    f"checkpoint {self.path} has no tensor {name!r} "
+                    f"({len(self._owner)} tensors stored); check the name against names()"
+                )
+            by_stem.setdefault(stem, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for stem, group in by_stem.items():
+            out.update(self._read(stem, group))
+        return {name: out[name] for name in names}
+
+    def stem_tensors(self, stem: str) -> dict[str, torch.Tensor]:
+        if stem + _SUFFIX not in self.meta["files"]:
+            stems = sorted(n.removesuffix(_SUFFIX) for n in self.meta["files"])
+            raise CheckpointError(
+                f"checkpoint {self.path} has no file {stem + _SUFFIX!r}; stems are {stems}"
+            )
+        return self._read(stem, [n for n, s in self._owner.items() if s == stem])
+
+    def _read(self, stem: str, names: list[str]) -> dict[str, torch.Tensor]:
+        file = self.path / (stem + _SUFFIX)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                return {name: f.get_tensor(name) for name in names}
+        except (SafetensorError, OSError) as e:
+            raise _corrupt(self.path, f"cannot read {file.name} ({_one_line(e)})") from e
+
+
+def _resolve(path: Path, verify: bool) -> tuple[Path, dict[str, Any]]:
+    if path.is_dir() and (_STEP_RE.match(path.name) or (path / META_NAME).exists()):
+        return path, _check(path, verify)  # an explicit step dir must itself be usable
+    if not path.exists():
+        raise CheckpointError(
+            f"no checkpoint found in {path}: the path does not exist; "
+            "pass a run directory containing checkpoints/"
+        )
+    candidates = list_checkpoints(path)
+    if not candidates:
+        raise CheckpointError(
+            f"no checkpoint found in {path}; train first or pass a run directory "
+            "containing checkpoints/"
+        )
+    newest_error: CheckpointError | None = None
+    for d in reversed(candidates):
+        try:
+            return d, _check(d, verify)
+        except CheckpointError as e:
+            log.warning("skipping unusable checkpoint: %s", e)
+            newest_error = newest_error or e
+    raise CheckpointError(
+        f"no usable checkpoint in {path}: all {len(candidates)} failed verification; "
+        f"newest: {newest_error}"
+    )
+
+
+def _check(d: Path, full: bool) -> dict[str, Any]:
+    """Parse meta.json and check every file's size, plus its sha256 when full."""
+    doc = _read_meta(d)
+    for name, info in doc["files"].items():
+        file = d / name
+        if not file.is_file():
+            raise _corrupt(d, f"{name} is missing")
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise _corrupt(d, f"{name} has {size} bytes, expected {info['bytes']}")
+        if full:
+            _, sha = _hash_file(file)
+            if sha != info["sha256"]:
+                raise _corrupt(
+                    d, f"{name} has sha256 {sha[:16]}..., expected {info['sha256'][:16]}..."
+                )
+    return doc
+
+
+def _quick_problem(d: Path) -> str | None:
+    try:
+        _check(d, full=False)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _read_meta(d: Path) -> dict[str, Any]:
+    try:
+        text = (d / META_NAME).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _corrupt(d, f"{META_NAME} is missing") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _corrupt(d, f"cannot read {META_NAME} ({_one_line(e)})") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _corrupt(d, f"{META_NAME} is not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise _corrupt(d, f"{META_NAME} is not a JSON object")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {d} has format_version {version!r}, but this atom reads "
+            f"format_version {FORMAT_VERSION}; use the atom version that wrote it or resume "
+            "from another checkpoint"
+        )
+    problem = _meta_problem(doc, d)
+    if problem:
+        raise _corrupt(d, f"{META_NAME} {problem}")
+    return doc
+
+
+def _meta_problem(doc: dict[str, Any], d: Path) -> str | None:
+    step, files, tensors = doc.get("step"), doc.get("files"), doc.get("tensors")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"has step {step!r}, expected an integer"
+    m = _STEP_RE.match(d.name)
+    if m and int(m.group(1)) != step:
+        return f"says step {step} but the directory is {d.name}"
+    if not isinstance(files, dict) or not isinstance(tensors, dict):
+        return "lacks the 'files' or 'tensors' table"
+    for name, info in files.items():
+        # A plain name only: meta.json must not point a reader outside the checkpoint dir.
+        if not (name.endswith(_SUFFIX) and _STEM_RE.match(name.removesuffix(_SUFFIX))):
+            return f"lists a bad file name {name!r}"
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("bytes"), int)
+            and isinstance(info.get("sha256"), str)
+            and _SHA_RE.match(info["sha256"])
+        ):
+            return f"has a malformed entry for {name}"
+    for tname, stem in tensors.items():
+        if not isinstance(stem, str) or stem + _SUFFIX not in files:
+            return f"maps tensor {tname!r} to unknown file {stem!r}"
+    return None
+
+
+def _corrupt(d: Path, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {d} is corrupt: {problem}; delete it or resume from an older one"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

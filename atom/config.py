@@ -1,0 +1,285 @@
+"""Run configuration: dataclasses per concern, loaded from YAML, overridden with --set.
+
+The defaults *are* the tiny CPU demo, so `atom train` with no arguments needs no file.
+Every field is validated in __post_init__ (ValueError) and again across sections in
+`Config.validate`; the CLI turns those into one-line errors with exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(Exception):
+    """A user-caused configuration problem; the message is one line naming the fix."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"  # gpt | llama
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # llama grouped-query attention; None = n_head
+    d_model: int = 128
+    d_ff: int | None = None  # None: 4*d (gpt) or the LLaMA 8/3*d rounded to multiple_of
+    vocab_size: int = 256
+    seq_len: int = 128
+    bias: bool = False  # gpt only: biases in Linear and LayerNorm
+    tie_embeddings: bool | None = None  # None: True for gpt, False for llama
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    multiple_of: int = 256  # llama d_ff rounding
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"model.arch must be 'gpt' or 'llama', got {self.arch!r}")
+        for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(
+                f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
+            )
+        if self.arch == "llama" and (self.d_model // self.n_head) % 2:
+            raise ValueError("llama needs an even head dimension (d_model / n_head) for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "gpt" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        if self.arch == "gpt":
+            return 4 * self.d_model
+        hidden = int(2 * (4 * self.d_model) / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+@dataclass
+class TrainConfig:
+    micro_batch: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    lr_decay_steps: int | None = None  # None: max_steps
+    max_steps: int = 300
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # global-norm clip; 0 disables (lets updates overlap backward)
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (compute dtype on the device)
+    optimizer: str = "adamw"  # adamw (torch fused) | deepspeed (DeepSpeedCPUAdam)
+    eval_interval: int = 100
+    eval_batches: int = 10
+    log_interval: int = 1
+    ckpt_interval: int = 100
+    keep_checkpoints: int = 3
+    data: str = "default"  # "default" (stdlib corpus, no download) or a dir made by `atom prepare`
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "grad_accum", "max_steps", "eval_batches", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_interval", "ckpt_interval", "warmup_steps", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(
+                f"need 0 <= train.min_lr <= train.lr and lr > 0 (lr={self.lr}, "
+                f"min_lr={self.min_lr})"
+            )
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("train.beta1 and train.beta2 must be in [0, 1)")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ValueError("train.grad_clip and train.weight_decay must be >= 0")
+        if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"train.dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
+        if self.optimizer not in ("adamw", "deepspeed"):
+            raise ValueError(f"train.optimizer must be adamw|deepspeed, got {self.optimizer!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
+
+
+@dataclass
+class SwapConfig:
+    layers_per_unit: int = 1
+    prefetch: int = 1  # units loaded ahead of the one computing; slots = prefetch + 1
+    checkpoint: bool = True  # keep only unit inputs in forward, recompute in backward
+
+    def __post_init__(self) -> None:
+        if self.layers_per_unit < 1:
+            raise ValueError(f"swap.layers_per_unit must be >= 1, got {self.layers_per_unit}")
+        if self.prefetch < 0:
+            raise ValueError(f"swap.prefetch must be >= 0, got {self.prefetch}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
+
+    def n_units(self) -> int:
+        """Embedding unit + block units + head unit."""
+        lpu = self.swap.layers_per_unit
+        return 2 + (self.model.n_layer + lpu - 1) // lpu
+
+    def validate(self) -> Config:
+        """Checks that span sections; returns self for chaining."""
+        if self.swap.layers_per_unit > self.model.n_layer:
+            raise ValueError(
+                f"swap.layers_per_unit ({self.swap.layers_per_unit}) exceeds model.n_layer "
+                f"({self.model.n_layer})"
+            )
+        if self.swap.prefetch > self.n_units() - 1:
+            raise ValueError(
+                f"swap.prefetch ({self.swap.prefetch}) is larger than the number of units "
+                f"after the first ({self.n_units() - 1}); lower it"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        if not isinstance(data, dict):
+            raise ConfigError("config must be a mapping of sections (model:, train:, swap:)")
+        sections = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, value in data.items():
+            if key not in sections:
+                raise ConfigError(f"unknown config section {key!r}{_suggest(key, sections)}")
+            kwargs[key] = _build_section(sections[key].default_factory, key, value or {})
+        try:
+            return cls(**kwargs).validate()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+def _suggest(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(options)}"
+
+
+def _build_section(factory, section: str, values: dict[str, Any]):
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping")
+    known = {f.name: f for f in fields(factory)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, known)}")
+    try:
+        return factory(**values)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _parse_value(text: str) -> Any:
+    """YAML scalars, so --set train.lr=3e-4 and --set swap.checkpoint=false type themselves."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to a raw config mapping (before validation)."""
+    defaults = Config()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        path, raw = item.split("=", 1)
+        parts = path.strip().split(".")
+        if len(parts) != 2:
+            raise ConfigError(f"--set key must look like section.key, got {path!r}")
+        section, key = parts
+        if not hasattr(defaults, section) or section.startswith("_"):
+            raise ConfigError(
+                f"unknown --set section {section!r}{_suggest(section, ['model', 'train', 'swap'])}"
+            )
+        names = [f.name for f in fields(getattr(defaults, section))]
+        if key not in names:
+            raise ConfigError(f"unknown --set key {section}.{key}{_suggest(key, names)}")
+        data.setdefault(section, {})
+        if data[section] is None:
+            data[section] = {}
+        data[section][key] = _parse_value(raw)
+    return data
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A path, or the name of a file in configs/ (with or without .yaml)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
+        if candidate.exists():
+            return candidate
+    raise ConfigError(
+        f"config file not found: {name_or_path} (give a path or one of: "
+        f"{', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))})"
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = resolve_config_path(str(path))
+        try:
+            data = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{file} is not valid YAML{where}; fix the syntax") from None
+        except OSError as err:
+            raise ConfigError(f"cannot read config {file}: {err.strerror}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{file} must be a mapping of sections (model:, train:, swap:)")
+    data = apply_overrides(data, overrides or [])
+    return Config.from_dict(data)
+
+
+def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of cfg with some fields changed, e.g. replace(cfg, swap={"prefetch": 2})."""
+    data = cfg.to_dict()
+    for section, values in sections.items():
+        data[section].update(values)
+    return Config.from_dict(data)
+
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ModelConfig",
+    "SwapConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_config",
+    "replace",
+]

@@ -1,0 +1,92 @@
+"""What every atom model shares: embed -> blocks -> head, and name-keyed initialisation.
+
+A model is three kinds of pieces so the swap engine can cut it into units without
+knowing the architecture: `embed(idx) -> h`, each `blocks[i](h) -> h`, `head(h) -> logits`.
+Initialisation is a pure function of (seed, parameter name), so a model materialised
+all at once (resident) and one materialised unit by unit into host buffers (swapped)
+start from bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.config import ModelConfig
+
+
+class LanguageModel(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, embed: nn.Module, blocks: list[nn.Module], head: nn.Module
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        h = self.embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        return logits, lm_loss(logits, targets)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # fp32 softmax: bf16 logits lose too much precision in the log-sum-exp.
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+# Parameters whose init is scaled by 1/sqrt(2 * n_layer): the projections that write into
+# the residual stream (GPT-2 paper, section 2.3), so the stream's variance stays bounded.
+_RESIDUAL_PROJ = (
+    "attn.c_proj.weight",
+    "mlp.c_proj.weight",
+    "attention.wo.weight",
+    "feed_forward.w2.weight",
+)
+
+
+@torch.no_grad()
+def init_parameter(name: str, param: torch.Tensor, cfg: ModelConfig, seed: int) -> None:
+    """Initialise one parameter in place from (seed, name) alone."""
+    leaf = name.rsplit(".", 1)[-1]
+    if param.dim() == 1:
+        # norms start at identity, biases at zero
+        param.fill_(0.0 if leaf == "bias" else 1.0)
+        return
+    std = cfg.init_std
+    if name.endswith(_RESIDUAL_PROJ):
+        std = std / math.sqrt(2 * cfg.n_layer)
+    gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
+    # Sample on the CPU in fp32 so every device and dtype gets the same numbers.
+    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    param.copy_(values)
+
+
+def materialize(
+    model: nn.Module,
+    seed: int,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Allocate a meta-built model on `device` and initialise it by name."""
+    model.to_empty(device=device)
+    model.to(dtype)
+    cfg = model.cfg
+    if cfg.tied:
+        model.head.lm_head.weight = model.embed.wte.weight
+    for name, param in model.named_parameters():
+        init_parameter(name, param, cfg, seed)
+    return model

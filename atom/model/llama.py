@@ -1,0 +1,117 @@
+"""LLaMA style decoder: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.config import ModelConfig
+from atom.model.common import LanguageModel
+
+_ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_tables(T: int, dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (T, dim/2), cached: computed in fp32 once per shape and device, not
+    stored as buffers, so blocks stay parameter-only and swap without extra state."""
+    key = (T, dim, theta, str(device), dtype)
+    if key not in _ROPE_CACHE:
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+        freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)
+        _ROPE_CACHE[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+    return _ROPE_CACHE[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, nh, T, hs); rotate interleaved pairs (x0, x1) as in Meta's reference code.
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32: bf16 mean-of-squares underflows
+        y = F.rms_norm(x.float(), (x.size(-1),), eps=self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hs, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.hs, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.hs).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
+        cos, sin = rope_tables(T, self.hs, self.theta, x.device, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head
+        )
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class LlamaEmbed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx)
+
+
+class LlamaHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+def build_llama(cfg: ModelConfig) -> LanguageModel:
+    model = LanguageModel(
+        cfg, LlamaEmbed(cfg), [LlamaBlock(cfg) for _ in range(cfg.n_layer)], LlamaHead(cfg)
+    )
+    if cfg.tied:
+        model.head.lm_head.weight = model.embed.wte.weight
+    return model

@@ -1,0 +1,127 @@
+"""ResidentEngine: the same model trained the plain PyTorch way, everything on the device.
+
+It is the reference the swap engine is tested against (same init, same optimizer groups,
+same clipping) and the baseline benchmarks compare with. It speaks the engine interface
+the training loop uses: train_step, evaluate, named_parameters, state_files, load_state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from atom.config import Config
+from atom.model import build_model, materialize
+from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
+from atom.swap.engine import StepResult
+
+
+class ResidentEngine:
+    def __init__(self, cfg: Config, device: torch.device, compute_dtype: torch.dtype):
+        self.cfg = cfg
+        self.device = device
+        self.dtype = compute_dtype
+        self.model = materialize(build_model(cfg.model), cfg.train.seed, device=device)
+        self.params = dict(self.model.named_parameters())
+        decay = [p for p in self.params.values() if p.dim() >= 2]
+        no_decay = [p for p in self.params.values() if p.dim() < 2]
+        self.opt = make_optimizer(decay, no_decay, cfg.train)
+        self.scaler = torch.amp.GradScaler(device.type) if compute_dtype == torch.float16 else None
+        self._activation_peak = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _counting_hooks(self, counter: list[int]):
+        seen: set[int] = set()
+        param_ptrs = {p.untyped_storage().data_ptr() for p in self.params.values()}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in param_ptrs and ptr not in seen:
+                seen.add(ptr)
+                counter[0] += t.untyped_storage().nbytes()
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def train_step(self, batches, lr: float) -> StepResult:
+        set_lr(self.opt, lr)
+        self.opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            counter = [0]
+            with self._autocast(), self._counting_hooks(counter):
+                _, loss = self.model(x, y)
+            self._activation_peak = max(self._activation_peak, counter[0])
+            scaled = loss / len(batches)
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += loss.detach().float()
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        norm = None
+        if self.cfg.train.grad_clip > 0:
+            norm = float(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            )
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        return StepResult(loss=float(total) / len(batches), grad_norm=norm)
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        total = 0.0
+        for x, y in batches:
+            with self._autocast():
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            total += float(loss)
+        return total / len(batches)
+
+    def wait_idle(self) -> None:
+        pass
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.params.items()}
+
+    def state_files(self):
+        tensors = {k: v.detach() for k, v in self.params.items()}
+        for name, p in self.params.items():
+            state = self.opt.state.get(p)
+            if state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    tensors[f"optim.{key}.{name}"] = state[key]
+        yield "resident", tensors
+
+    def optimizer_steps(self) -> int:
+        return optimizer_step_count(self.opt)
+
+    @torch.no_grad()
+    def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
+        for name, p in self.params.items():
+            p.copy_(get(name))
+            if has_optim:
+                state = init_state(self.opt, p, steps)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state[key].copy_(get(f"optim.{key}.{name}"))
+
+    def device_peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        held = sum(p.nbytes * 2 for p in self.params.values())  # weights + grads
+        held += sum(
+            t.nbytes for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+        return held + self._activation_peak
+
+    def close(self) -> None:
+        pass

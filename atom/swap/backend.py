@@ -1,0 +1,275 @@
+"""Where copies and compute run: a CUDA backend with streams and events, and a CPU
+backend with the same interface built from a copy thread and threading events.
+
+The engine only speaks this interface, so the concurrency it relies on (a copy that
+overlaps compute, a slot reused only after the compute that read it has finished) is
+exercised by CPU tests in CI, not only on a GPU.
+
+A `Transfer` is a handle to an asynchronous copy. `wait_compute(t)` makes the compute
+stream wait for it (on CPU: blocks the computing thread); `wait_host(t)` blocks a host
+thread until the data has landed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Transfer:
+    issued: threading.Event = field(default_factory=threading.Event)
+    cuda_event: object | None = None  # torch.cuda.Event once issued (CUDA backend)
+    error: BaseException | None = None
+    result: torch.Tensor | None = None  # for D2H: the host tensor holding the data
+
+
+def done_transfer(result: torch.Tensor | None = None) -> Transfer:
+    t = Transfer(result=result)
+    t.issued.set()
+    return t
+
+
+class _CopyWorker:
+    """One thread that runs copy jobs in submission order.
+
+    Jobs may block (waiting for the host optimizer to finish a unit), and that must never
+    block the thread that issues compute: that is why copies are issued from here."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], transfer: Transfer) -> Transfer:
+        self._jobs.put((job, transfer))
+        return transfer
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, transfer = item
+            try:
+                job()
+            except BaseException as err:  # surfaced to the waiter, never swallowed
+                transfer.error = err
+                log.exception("copy job failed")
+            finally:
+                transfer.issued.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+
+
+def _wait_issued(t: Transfer) -> None:
+    # Bounded waits in a loop: a dead copy thread must surface as an error, not a hang.
+    waited = 0.0
+    while not t.issued.wait(timeout=5.0):
+        waited += 5.0
+        if waited >= 600:
+            raise RuntimeError("a host<->device copy did not complete within 10 minutes")
+    if t.error is not None:
+        raise RuntimeError("a host<->device copy failed") from t.error
+
+
+class Backend:
+    """Interface; see CpuBackend and CudaBackend."""
+
+    device: torch.device
+    name: str
+
+    def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def record(self) -> object:
+        """A marker after the compute issued so far (used to guard slot reuse)."""
+        raise NotImplementedError
+
+    def h2d(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: object | None,
+        host_ready: list[threading.Event],
+    ) -> Transfer:
+        """Copy host `src` into device `dst` once `after` (compute marker) has passed and
+        every `host_ready` event (the optimizer finished writing `src`) is set."""
+        raise NotImplementedError
+
+    def d2h(self, src: torch.Tensor, after: object | None) -> Transfer:
+        """Copy device `src` to host; `Transfer.result` is the host tensor. The caller
+        hands it back with `release_host` once consumed."""
+        raise NotImplementedError
+
+    def release_host(self, t: Transfer) -> None:
+        pass
+
+    def wait_compute(self, t: Transfer) -> None:
+        raise NotImplementedError
+
+    def wait_host(self, t: Transfer) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def peak_allocated(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class CpuBackend(Backend):
+    """The 'device' is host memory; H2D is a memcpy on a copy thread."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self._copier = _CopyWorker("atom-h2d")
+
+    def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def record(self) -> object:
+        # Compute on CPU is synchronous in the calling thread: once it returns, it is done.
+        return None
+
+    def h2d(self, dst, src, after, host_ready) -> Transfer:
+        def job() -> None:
+            for ev in host_ready:
+                _wait_event(ev)
+            dst.copy_(src)
+
+        return self._copier.submit(job, Transfer())
+
+    def d2h(self, src, after) -> Transfer:
+        # The gradient already lives in host memory: hand the tensor over, no copy.
+        return done_transfer(src)
+
+    def wait_compute(self, t: Transfer) -> None:
+        _wait_issued(t)
+
+    def wait_host(self, t: Transfer) -> torch.Tensor | None:
+        _wait_issued(t)
+        return t.result
+
+    def close(self) -> None:
+        self._copier.close()
+
+
+def _wait_event(ev: threading.Event) -> None:
+    waited = 0.0
+    while not ev.wait(timeout=5.0):
+        waited += 5.0
+        if waited >= 600:
+            raise RuntimeError("host optimizer did not release a unit within 10 minutes")
+
+
+class CudaBackend(Backend):
+    """Copy stream for H2D, one for D2H, and the current stream for compute.
+
+    Host buffers are pinned so copies are true DMA and overlap compute; D2H lands in a
+    small pool of pinned staging buffers that the host consumer returns when done."""
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        device: torch.device,
+        staging_numel: int,
+        staging_dtype: torch.dtype,
+        staging_buffers: int = 3,
+    ):
+        self.device = device
+        torch.cuda.set_device(device)
+        self.compute = torch.cuda.current_stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+        self.d2h_stream = torch.cuda.Stream(device)
+        self._copier = _CopyWorker("atom-h2d")
+        # Why a fixed pool: unbounded staging would let D2H run ahead of the host optimizer
+        # and grow pinned memory without limit.
+        self._staging: queue.Queue = queue.Queue()
+        for _ in range(staging_buffers):
+            self._staging.put(torch.empty(staging_numel, dtype=staging_dtype, pin_memory=True))
+
+    def alloc_device(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def alloc_host(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def record(self) -> object:
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        return ev
+
+    def h2d(self, dst, src, after, host_ready) -> Transfer:
+        t = Transfer()
+
+        def job() -> None:
+            for ev in host_ready:
+                _wait_event(ev)
+            with torch.cuda.stream(self.h2d_stream):
+                if after is not None:
+                    self.h2d_stream.wait_event(after)  # slot's previous reader finished
+                dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.h2d_stream)
+            t.cuda_event = ev
+
+        return self._copier.submit(job, t)
+
+    def d2h(self, src, after) -> Transfer:
+        buf = self._staging.get(timeout=600)
+        host = buf[: src.numel()]
+        with torch.cuda.stream(self.d2h_stream):
+            if after is not None:
+                self.d2h_stream.wait_event(after)
+            host.copy_(src.view(-1), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h_stream)
+        # src was made on the compute stream; keep the allocator from reusing it early.
+        src.record_stream(self.d2h_stream)
+        t = Transfer(cuda_event=ev, result=host)
+        t._buf = buf  # type: ignore[attr-defined]
+        t.issued.set()
+        return t
+
+    def release_host(self, t: Transfer) -> None:
+        self._staging.put(t._buf)  # type: ignore[attr-defined]
+
+    def wait_compute(self, t: Transfer) -> None:
+        _wait_issued(t)
+        self.compute.wait_event(t.cuda_event)
+
+    def wait_host(self, t: Transfer) -> torch.Tensor | None:
+        _wait_issued(t)
+        t.cuda_event.synchronize()
+        return t.result
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def peak_allocated(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def close(self) -> None:
+        self._copier.close()

@@ -1,0 +1,464 @@
+"""SwapEngine: train a model whose parameters live on the host, streamed through the device.
+
+One optimizer step = for each micro-batch, forward in unit order then backward in
+reverse. The visit order of a step is known in advance, so prefetching is "keep the next
+prefetch+1 distinct units of the order on the device": after a unit computes, its slot is
+released unless it is needed again within that window (the last forward units stay for
+the first backward ones; unit 0 stays across micro-batches), and the freed slot starts
+loading the next unit while the following one computes.
+
+Backward of a unit: its parameters are reloaded; with `checkpoint` on the unit forward is
+recomputed from the saved unit input, otherwise the autograd graph kept from the forward
+is reused and saved_tensors_hooks re-point its saved parameters at whichever slot holds
+the unit now. Parameter gradients go D2H to the host worker, which accumulates them and
+runs the unit's optimizer step as soon as they are final (or, when the global gradient
+norm is needed for clipping or fp16 overflow checks, once all units have landed, in
+forward order so the next step's first units are ready first).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from atom.config import Config
+from atom.model import build_model
+from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
+from atom.swap.backend import Backend
+from atom.swap.host_store import HostStore
+from atom.swap.slots import DeviceSlots
+from atom.swap.units import UnitSpec, partition, run_unit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float | None
+    skipped: bool = False
+
+
+class MemoryLedger:
+    """The engine's own account of device bytes: slots + activations it keeps alive."""
+
+    def __init__(self, base: int = 0):
+        self.base = base
+        self.current = base
+        self.peak = base
+
+    def add(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, n: int) -> None:
+        self.current -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+class _DrainMarker:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class HostWorker:
+    """One thread for host-side work on units (accumulate grads, optimizer steps), in
+    submission order. An error is kept and re-raised in the training thread."""
+
+    def __init__(self, on_error: Callable[[], None]):
+        self._q: queue.Queue = queue.Queue()
+        self._on_error = on_error
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="atom-host-opt", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.check()
+        self._q.put(fn)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("host optimizer thread failed") from self.error
+
+    def drain(self, timeout: float = 600.0) -> None:
+        marker = _DrainMarker()
+        self._q.put(marker)
+        if not marker.done.wait(timeout):
+            raise RuntimeError("host optimizer thread did not finish its work in time")
+        self.check()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            if isinstance(fn, _DrainMarker):
+                fn.done.set()
+                continue
+            if self.error is not None:
+                continue  # after a failure, skip work but keep answering drain()
+            try:
+                fn()
+            except BaseException as err:
+                self.error = err
+                log.exception("host optimizer thread failed")
+                self._on_error()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+
+@dataclass
+class _ParamRef:
+    """What the pack hook saves instead of a parameter tensor: where it sits in its unit."""
+
+    unit: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (GPUs without bf16): halve on overflow, double after
+    `interval` clean steps."""
+
+    def __init__(self, init: float = 2.0**16, interval: int = 1000):
+        self.scale, self.interval, self._good = init, interval, 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self._good = max(self.scale / 2, 1.0), 0
+        else:
+            self._good += 1
+            if self._good >= self.interval:
+                self.scale, self._good = self.scale * 2, 0
+
+
+class SwapEngine:
+    def __init__(
+        self, cfg: Config, backend: Backend, compute_dtype: torch.dtype, init: bool = True
+    ):
+        self.cfg = cfg
+        self.backend = backend
+        self.dtype = compute_dtype
+        self.model = build_model(cfg.model, device="meta")
+        self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
+        self.store = HostStore(self.units, backend, compute_dtype)
+        if init:
+            self.store.init_weights(cfg.model, cfg.train.seed)
+        largest = max(u.n_total for u in self.units)
+        self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype)
+        self.ledger = MemoryLedger(self.slots.nbytes)
+        self.optimizers = [
+            self._make_optimizer(b.master, b.grad, b.spec) for b in self.store.buffers
+        ]
+        self.scaler = LossScaler() if compute_dtype == torch.float16 else None
+        # Without clipping or overflow checks no update needs the global norm, so each unit
+        # updates as soon as its grads are final, overlapping the rest of the backward.
+        self.deferred = cfg.train.grad_clip > 0 or self.scaler is not None
+        self.worker = HostWorker(on_error=self._unblock_all)
+        self._norm_sq = [0.0] * len(self.units)
+        self._lr = cfg.train.lr
+
+    # ------------------------------------------------------------------ setup helpers
+    def _make_optimizer(self, master, grad, spec: UnitSpec) -> torch.optim.Optimizer:
+        decay, no_decay = master[: spec.n_decay], master[spec.n_decay : spec.n_owned]
+        decay.grad, no_decay.grad = grad[: spec.n_decay], grad[spec.n_decay : spec.n_owned]
+        return make_optimizer(
+            [decay] if decay.numel() else [], [no_decay] if no_decay.numel() else [], self.cfg.train
+        )
+
+    def _unblock_all(self) -> None:
+        for buf in self.store.buffers:
+            buf.ready.set()
+
+    def _ready_events(self, unit: int) -> list[threading.Event]:
+        """A unit's compute buffer is final once it and the owners of its aliases are."""
+        events = [self.store.buffers[unit].ready]
+        for entry in self.units[unit].aliases:
+            events.append(self.store.buffers[entry.alias_of[0]].ready)
+        return events
+
+    # ------------------------------------------------------------------ schedule
+    def _window(self, order: list[tuple[int, str, int]], pos: int) -> list[int]:
+        """The next prefetch+1 distinct units after position `pos`."""
+        want, seen = self.cfg.swap.prefetch + 1, []
+        for _, _, unit in order[pos + 1 :]:
+            if unit not in seen:
+                seen.append(unit)
+                if len(seen) == want:
+                    break
+        return seen
+
+    def _advance(self, order, pos: int, done_unit: int | None) -> None:
+        """After position `pos`: free what is not needed soon, load what is."""
+        window = self._window(order, pos)
+        if done_unit is not None and done_unit not in window:
+            self.slots.release(done_unit)
+        for unit in window:
+            if not self.slots.has(unit):
+                self.slots.load(unit, self.store.buffers[unit].compute, self._ready_events(unit))
+
+    # ------------------------------------------------------------------ hooks
+    def _hooks(self, unit: int, counter: list[int]):
+        slot_flat = self.slots.flat_of(unit)
+        slot_ptr = slot_flat.untyped_storage().data_ptr()
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr == slot_ptr:  # a parameter (or a view of one): save where, not what
+                return _ParamRef(
+                    unit, t.size(), t.stride(), t.storage_offset() - slot_flat.storage_offset()
+                )
+            if ptr not in seen:
+                seen.add(ptr)
+                n = t.untyped_storage().nbytes()
+                counter[0] += n
+                self.ledger.add(n)
+            return t
+
+        def unpack(obj):
+            if isinstance(obj, _ParamRef):
+                flat = self.slots.acquire(obj.unit)
+                return flat.as_strided(obj.size, obj.stride, flat.storage_offset() + obj.offset)
+            return obj
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+        self.worker.check()
+        self._lr = lr
+        n_micro = len(batches)
+        N = len(self.units)
+        order = []
+        for m in range(n_micro):
+            order += [(m, "f", u) for u in range(N)] + [(m, "b", u) for u in range(N - 2, -1, -1)]
+        scale = (self.scaler.scale if self.scaler else 1.0) / n_micro
+        self._norm_sq = [0.0] * N
+        loss_sum = torch.zeros((), device=self.backend.device, dtype=torch.float32)
+        ckpt = self.cfg.swap.checkpoint
+        saved: dict[int, tuple] = {}
+        grad_h: torch.Tensor | None = None
+        h: torch.Tensor | None = None
+        x = y = None
+        self._advance(order, -1, None)
+        for pos, (m, phase, u) in enumerate(order):
+            if phase == "f" and u == 0:
+                x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
+                h = x
+            if not self.slots.has(u):
+                self.slots.load(u, self.store.buffers[u].compute, self._ready_events(u))
+            flat = self.slots.acquire(u)
+            last_micro = m == n_micro - 1
+            if phase == "f" and u < N - 1:
+                h = self._forward_unit(u, flat, h, ckpt, saved)
+            elif phase == "f":  # head: forward with grad and its backward right away
+                loss, grad_h, p_grad = self._head_step(u, flat, h, y, scale)
+                loss_sum += loss.detach()
+                self._post_grads(u, p_grad, first=m == 0, last=last_micro)
+                h = None
+            else:
+                grad_h, p_grad = self._backward_unit(u, flat, grad_h, ckpt, saved)
+                self._post_grads(u, p_grad, first=m == 0, last=last_micro)
+            self._advance(order, pos, u)
+        self.slots.release_all()
+        return self._finish_step(loss_sum, n_micro)
+
+    def _forward_unit(self, u, flat, h, ckpt: bool, saved: dict) -> torch.Tensor:
+        if ckpt:
+            saved[u] = h
+            if u > 0:
+                self.ledger.add(h.nbytes)
+            with torch.no_grad():
+                return run_unit(self.units[u], flat, h)
+        counter = [0]
+        h_in = h if u == 0 else h.detach().requires_grad_()
+        p = flat[: self.units[u].n_total].detach().requires_grad_()
+        with self._hooks(u, counter):
+            out = run_unit(self.units[u], p, h_in)
+        saved[u] = (h_in, out, p, counter)
+        return out.detach()
+
+    def _head_step(self, u, flat, h, y, scale):
+        counter = [0]
+        h_in = h.detach().requires_grad_()
+        p = flat[: self.units[u].n_total].detach().requires_grad_()
+        with self._hooks(u, counter):
+            loss = run_unit(self.units[u], p, h_in, y)
+        grad_h, p_grad = torch.autograd.grad(loss * scale, [h_in, p])
+        self.ledger.sub(counter[0])
+        return loss, grad_h, p_grad
+
+    def _backward_unit(self, u, flat, grad_h, ckpt: bool, saved: dict):
+        unit = self.units[u]
+        if ckpt:
+            x = saved.pop(u)
+            counter = [0]
+            h_in = x if u == 0 else x.detach().requires_grad_()
+            p = flat[: unit.n_total].detach().requires_grad_()
+            with self._hooks(u, counter):
+                out = run_unit(unit, p, h_in)
+        else:
+            h_in, out, p, counter = saved.pop(u)
+        inputs = [p] if u == 0 else [h_in, p]
+        grads = torch.autograd.grad(out, inputs, grad_h)
+        self.ledger.sub(counter[0])
+        if ckpt and u > 0:
+            self.ledger.sub(h_in.nbytes)
+        return (None, grads[0]) if u == 0 else grads
+
+    # ------------------------------------------------------------------ host side
+    def _post_grads(self, u: int, p_grad: torch.Tensor, first: bool, last: bool) -> None:
+        buf = self.store.buffers[u]
+        transfer = self.backend.d2h(p_grad, self.backend.record())
+        inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
+        lr = self._lr  # captured: the worker may run this after the next step has begun
+        if last:
+            buf.ready.clear()  # the next copy of this unit must wait for its update
+
+        def land() -> None:
+            host = self.backend.wait_host(transfer)
+            if first:
+                buf.grad.copy_(host)
+            else:
+                buf.grad.add_(host)
+            self.backend.release_host(transfer)
+            if not last:
+                return
+            # Aliases of this unit were computed by later units, whose grads landed earlier.
+            self.store.fold_alias_grads(u)
+            if inv_scale != 1.0:
+                buf.grad.mul_(inv_scale)
+            if self.deferred:
+                owned = buf.grad[: buf.spec.n_owned]
+                self._norm_sq[u] = float(torch.dot(owned, owned))
+            else:
+                self._update(u, 1.0, lr)
+
+        self.worker.submit(land)
+
+    def _update(self, u: int, coef: float, lr: float) -> None:
+        buf = self.store.buffers[u]
+        opt = self.optimizers[u]
+        set_lr(opt, lr)
+        with buf.lock:
+            if coef != 1.0:
+                buf.grad[: buf.spec.n_owned].mul_(coef)
+            opt.step()
+            self.store.refresh_compute(u)
+        buf.ready.set()
+
+    def _finish_step(self, loss_sum: torch.Tensor, n_micro: int) -> StepResult:
+        loss = float(loss_sum) / n_micro
+        if not self.deferred:
+            return StepResult(loss=loss, grad_norm=None)
+        self.worker.drain()
+        total = math.sqrt(sum(self._norm_sq))
+        overflow = not math.isfinite(total)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            log.warning("non-finite gradient norm: step skipped")
+            self._unblock_all()
+            return StepResult(loss=loss, grad_norm=total, skipped=True)
+        clip = self.cfg.train.grad_clip
+        coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
+        for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
+            self.worker.submit(lambda u=u, lr=self._lr: self._update(u, coef, lr))
+        return StepResult(loss=loss, grad_norm=total)
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        N = len(self.units)
+        order = [(b, "f", u) for b in range(len(batches)) for u in range(N)]
+        total = torch.zeros((), device=self.backend.device)
+        self._advance(order, -1, None)
+        h = y = None
+        for pos, (b, _, u) in enumerate(order):
+            if u == 0:
+                h, y = (t.to(self.backend.device) for t in batches[b])
+            if not self.slots.has(u):
+                self.slots.load(u, self.store.buffers[u].compute, self._ready_events(u))
+            flat = self.slots.acquire(u)
+            if u < N - 1:
+                h = run_unit(self.units[u], flat, h)
+            else:
+                total += run_unit(self.units[u], flat, h, y).float()
+            self._advance(order, pos, u)
+        self.slots.release_all()
+        return float(total) / len(batches)
+
+    # ------------------------------------------------------------------ state
+    def wait_idle(self) -> None:
+        self.worker.drain()
+        self.store.wait_all_ready()
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 master parameters by model name (views into the host store)."""
+        self.wait_idle()
+        return self.store.named_master()
+
+    def state_files(self):
+        """(stem, tensors) per unit for checkpoint.save_checkpoint: weights, optimizer."""
+        self.wait_idle()
+        for buf, opt in zip(self.store.buffers, self.optimizers, strict=True):
+            tensors = dict(buf.spec.owned_views(buf.master))
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = self._state_flat(opt, buf, key)
+                if flat is not None:
+                    for name, view in buf.spec.owned_views(flat).items():
+                        tensors[f"optim.{key}.{name}"] = view
+            yield f"unit_{buf.spec.index:03d}", tensors
+
+    def _state_flat(self, opt, buf, key: str) -> torch.Tensor | None:
+        parts = [opt.state[p][key] for g in opt.param_groups for p in g["params"] if p in opt.state]
+        if not parts:
+            return None
+        return torch.cat(parts)
+
+    def optimizer_steps(self) -> int:
+        return optimizer_step_count(self.optimizers[0])
+
+    def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
+        """Copy weights (and optimizer state) from a checkpoint, by model name."""
+        self.wait_idle()
+        for buf, opt in zip(self.store.buffers, self.optimizers, strict=True):
+            with buf.lock:
+                for name, view in buf.spec.owned_views(buf.master).items():
+                    view.copy_(get(name))
+                if has_optim:
+                    for group in opt.param_groups:
+                        for p in group["params"]:
+                            init_state(opt, p, steps)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        flat = torch.empty(buf.spec.n_owned)
+                        for name, view in buf.spec.owned_views(flat).items():
+                            view.copy_(get(f"optim.{key}.{name}"))
+                        offset = 0
+                        for group in opt.param_groups:
+                            for p in group["params"]:
+                                opt.state[p][key].copy_(flat[offset : offset + p.numel()])
+                                offset += p.numel()
+        self.store.refresh_all()
+
+    def device_peak_bytes(self) -> int:
+        return self.backend.peak_allocated() or self.ledger.peak
+
+    def close(self) -> None:
+        try:
+            self.worker.drain(timeout=60)
+        finally:
+            self.worker.close()
+            self.backend.close()

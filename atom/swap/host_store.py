@@ -1,0 +1,112 @@
+"""HostStore: the whole model in host memory, one set of flat buffers per unit.
+
+Per unit:
+  master   fp32, owned params only: what the optimizer updates and checkpoints save
+  grad     fp32, owned + aliases: gradients land here (accumulated over micro-batches)
+  compute  compute dtype, owned + aliases: the only thing that crosses the bus; pinned on
+           CUDA. When the compute dtype is fp32 and the unit has no aliases, it *is* master.
+  ready    set when the host optimizer is done with the unit, so an H2D copy never reads
+           a half-updated buffer
+  lock     held while master is written (optimizer step, loading, peer averaging)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from atom.config import ModelConfig
+from atom.model import init_parameter
+from atom.swap.backend import Backend
+from atom.swap.units import UnitSpec
+
+
+@dataclass
+class UnitBuffers:
+    spec: UnitSpec
+    master: torch.Tensor
+    grad: torch.Tensor
+    compute: torch.Tensor
+    ready: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def compute_is_master(self) -> bool:
+        return self.compute.data_ptr() == self.master.data_ptr()
+
+
+class HostStore:
+    def __init__(self, units: list[UnitSpec], backend: Backend, compute_dtype: torch.dtype):
+        self.units = units
+        self.compute_dtype = compute_dtype
+        self.buffers: list[UnitBuffers] = []
+        for spec in units:
+            shares = compute_dtype == torch.float32 and spec.n_total == spec.n_owned
+            # master is what crosses the bus when it doubles as the compute copy: pin it then
+            master = (
+                backend.alloc_host(spec.n_owned, torch.float32)
+                if shares
+                else torch.empty(spec.n_owned, dtype=torch.float32)
+            )
+            compute = master if shares else backend.alloc_host(spec.n_total, compute_dtype)
+            grad = torch.zeros(spec.n_total, dtype=torch.float32)
+            buf = UnitBuffers(spec, master, grad, compute)
+            buf.ready.set()
+            self.buffers.append(buf)
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    def init_weights(self, cfg: ModelConfig, seed: int) -> None:
+        for buf in self.buffers:
+            for name, view in buf.spec.owned_views(buf.master).items():
+                init_parameter(name, view, cfg, seed)
+        self.refresh_all()
+
+    def refresh_compute(self, index: int) -> None:
+        """Copy a unit's master into its compute buffer, and into every alias of it."""
+        buf = self.buffers[index]
+        if not buf.compute_is_master:
+            buf.compute[: buf.spec.n_owned].copy_(buf.master)
+        for other in self.buffers:
+            for entry in other.spec.aliases:
+                owner, offset = entry.alias_of
+                if owner == index:
+                    src = buf.master[offset : offset + entry.numel]
+                    other.compute[entry.offset : entry.offset + entry.numel].copy_(src)
+
+    def refresh_all(self) -> None:
+        for i in range(len(self.buffers)):
+            self.refresh_compute(i)
+
+    def fold_alias_grads(self, index: int) -> None:
+        """Add the gradients that alias holders computed for this unit's params."""
+        buf = self.buffers[index]
+        for other in self.buffers:
+            for entry in other.spec.aliases:
+                owner, offset = entry.alias_of
+                if owner == index:
+                    buf.grad[offset : offset + entry.numel].add_(
+                        other.grad[entry.offset : entry.offset + entry.numel]
+                    )
+
+    def named_master(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for buf in self.buffers:
+            out.update(buf.spec.owned_views(buf.master))
+        return out
+
+    def wait_all_ready(self, timeout: float = 600.0) -> None:
+        for buf in self.buffers:
+            if not buf.ready.wait(timeout):
+                raise RuntimeError(f"unit {buf.spec.index} was not released by the optimizer")
+
+    def nbytes(self) -> int:
+        total = 0
+        for buf in self.buffers:
+            total += buf.master.nbytes + buf.grad.nbytes
+            if not buf.compute_is_master:
+                total += buf.compute.nbytes
+        return total

@@ -1,0 +1,88 @@
+"""DeviceSlots: the fixed pool of device buffers that unit parameters are loaded into.
+
+The pool size is the resident bound: nothing else of the parameters is ever on the
+device. Each slot moves through free -> loading -> resident -> free; transitions are
+asserted, and `max_resident` records the most slots ever holding a unit, so tests can
+check the bound held rather than trust it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atom.swap.backend import Backend, Transfer
+
+FREE, LOADING, RESIDENT = "free", "loading", "resident"
+
+
+@dataclass
+class Slot:
+    index: int
+    flat: torch.Tensor
+    state: str = FREE
+    unit: int | None = None
+    transfer: Transfer | None = None
+    last_use: object | None = None  # compute marker after the last kernel that read it
+
+
+class DeviceSlots:
+    def __init__(self, backend: Backend, n_slots: int, numel: int, dtype: torch.dtype):
+        if n_slots < 1:
+            raise ValueError("need at least one device slot")
+        self.backend = backend
+        self.slots = [Slot(i, backend.alloc_device(numel, dtype)) for i in range(n_slots)]
+        self.slot_bytes = numel * torch.empty(0, dtype=dtype).element_size()
+        self._where: dict[int, Slot] = {}
+        self.max_resident = 0
+        self.loads = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * len(self.slots)
+
+    def resident_units(self) -> list[int]:
+        return sorted(self._where)
+
+    def has(self, unit: int) -> bool:
+        return unit in self._where
+
+    def flat_of(self, unit: int) -> torch.Tensor:
+        return self._where[unit].flat
+
+    def has_free(self) -> bool:
+        return any(s.state == FREE for s in self.slots)
+
+    def load(self, unit: int, src: torch.Tensor, host_ready) -> Slot:
+        """Start copying a unit's compute buffer into a free slot (asynchronous)."""
+        assert unit not in self._where, f"unit {unit} is already on the device"
+        slot = next((s for s in self.slots if s.state == FREE), None)
+        assert slot is not None, "no free device slot: the schedule broke the resident bound"
+        slot.state, slot.unit = LOADING, unit
+        slot.transfer = self.backend.h2d(slot.flat[: src.numel()], src, slot.last_use, host_ready)
+        self._where[unit] = slot
+        self.loads += 1
+        self.max_resident = max(self.max_resident, len(self._where))
+        return slot
+
+    def acquire(self, unit: int) -> torch.Tensor:
+        """Make compute wait for the unit's copy; return the slot's flat buffer."""
+        slot = self._where[unit]
+        if slot.state == LOADING:
+            self.backend.wait_compute(slot.transfer)
+            slot.state, slot.transfer = RESIDENT, None
+        assert slot.state == RESIDENT
+        return slot.flat
+
+    def release(self, unit: int) -> None:
+        """Free a unit's slot; a later copy into it waits for the compute issued so far."""
+        slot = self._where.pop(unit)
+        if slot.state == LOADING:  # never used: still wait for its copy before reuse
+            self.backend.wait_compute(slot.transfer)
+        slot.last_use = self.backend.record()
+        slot.state, slot.unit, slot.transfer = FREE, None, None
+
+    def release_all(self) -> None:
+        for unit in list(self._where):
+            self.release(unit)

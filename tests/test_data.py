@@ -1,0 +1,285 @@
+"""Tests for atom.data (prepare, default_corpus, TokenData). Run: pytest tests/test_data.py"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from atom.data import (
+    DataError,
+    DatasetMeta,
+    TokenData,
+    check_vocab,
+    default_corpus,
+    prepare,
+    token_dtype,
+)
+
+TEXT = "Hello, wörld! ☃ snowman\n" * 40 + "the end — ünïcödé\n"
+
+
+def read_split(d: Path, name: str, dtype: str) -> np.ndarray:
+    return np.memmap(d / name, dtype=dtype, mode="r")
+
+
+def random_corpus(tmp_path: Path, n: int = 4000, seed: int = 0) -> Path:
+    """Random bytes make every window unique, so a batch row pins down its start offset."""
+    src = tmp_path / "rand.txt"
+    src.write_bytes(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+    out = tmp_path / "ds"
+    prepare([src], out, progress=False)
+    return out
+
+
+def find_start(tokens: np.ndarray, window: np.ndarray) -> int:
+    views = np.lib.stride_tricks.sliding_window_view(np.asarray(tokens), len(window))
+    hits = np.flatnonzero((views == window).all(axis=1))
+    assert len(hits) == 1, f"window found {len(hits)} times"
+    return int(hits[0])
+
+
+def test_prepare_file_roundtrip_and_val_is_tail(tmp_path: Path) -> None:
+    src = tmp_path / "a.txt"
+    src.write_text(TEXT, encoding="utf-8")
+    raw = src.read_bytes()
+    out = tmp_path / "ds"
+    meta = prepare([src], out, val_fraction=0.25, progress=False)
+
+    assert (meta.vocab_size, meta.tokenizer, meta.dtype) == (256, "byte", "uint8")
+    assert meta.train_tokens + meta.val_tokens == len(raw)
+    assert meta.val_tokens == round(len(raw) * 0.25)
+    train = read_split(out, "train.bin", meta.dtype)
+    val = read_split(out, "val.bin", meta.dtype)
+    assert train.dtype == np.uint8 and len(train) == meta.train_tokens
+    assert bytes(train) + bytes(val) == raw
+    assert bytes(val) == raw[-meta.val_tokens :]
+    # meta.json on disk is what prepare returned, and no temp files were left behind.
+    assert DatasetMeta.from_json((out / "meta.json").read_text()) == meta
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_prepare_directory_sorted_and_filtered(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    files = {
+        "b/z.py": "print('z')\n",
+        "a.md": "# title\n",
+        "b/a.txt": "nested ä\n",
+        "c.txt": "last\n",
+        "skip.bin": "not text",
+        "b/skip.json": "{}",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    extra = tmp_path / "extra.txt"
+    extra.write_text("explicit file after dir\n")
+    out = tmp_path / "ds"
+    meta = prepare([root, extra], out, progress=False, source="unit test")
+
+    expected = "".join(files[k] for k in ["a.md", "b/a.txt", "b/z.py", "c.txt"])
+    expected += extra.read_text()
+    got = bytes(read_split(out, "train.bin", "uint8")) + bytes(read_split(out, "val.bin", "uint8"))
+    assert got.decode("utf-8") == expected
+    assert meta.source == "unit test"
+
+
+def test_prepare_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(DataError) as e:
+        prepare([missing], tmp_path / "ds", progress=False)
+    assert (
+        str(e.value) == f"input {missing} does not exist; pass existing text files or directories"
+    )
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match="empty"):
+        prepare([empty], tmp_path / "ds", progress=False)
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(DataError, match="empty"):
+        prepare([tmp_path / "emptydir"], tmp_path / "ds", progress=False)
+    ok = tmp_path / "ok.txt"
+    ok.write_text(TEXT)
+    with pytest.raises(DataError, match="val_fraction"):
+        prepare([ok], tmp_path / "ds", val_fraction=1.0, progress=False)
+    with pytest.raises(DataError, match="unknown tokenizer"):
+        prepare([ok], tmp_path / "ds", tokenizer="gpt2", progress=False)
+    with pytest.raises(DataError, match="tok.json does not exist"):
+        prepare([ok], tmp_path / "ds", tokenizer=f"tokenizers:{tmp_path}/tok.json")
+    assert not (tmp_path / "ds" / "meta.json").exists()
+
+
+def test_interrupted_prepare_leaves_no_meta(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        (tmp_path / "src" / f"{i}.txt").write_text(TEXT)
+    out = tmp_path / "ds"
+    prepare([tmp_path / "src"], out, progress=False)
+    assert (out / "meta.json").exists()
+
+    real_read = Path.read_bytes
+
+    def flaky_read(self: Path) -> bytes:
+        if self.name == "2.txt":
+            raise KeyboardInterrupt  # stands in for a kill part-way through tokenizing
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", flaky_read)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([tmp_path / "src"], out, progress=False)
+    # The old dataset's meta.json is gone, so the dir no longer claims to be complete,
+    # and the temp files were cleaned up.
+    assert not (out / "meta.json").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    with pytest.raises(DataError, match="meta.json is missing"):
+        TokenData(out, seq_len=8, seed=0)
+
+
+def test_train_batches_deterministic_and_shifted(tmp_path: Path) -> None:
+    out = random_corpus(tmp_path)
+    data = TokenData(out, seq_len=16, seed=7)
+    x, y = data.train_batch(step=3, micro=1, batch_size=4)
+    assert x.shape == y.shape == (4, 16)
+    assert x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+
+    # Same (seed, step, micro) -> same batch, even from a fresh instance (a resumed run).
+    x2, y2 = TokenData(out, seq_len=16, seed=7).train_batch(step=3, micro=1, batch_size=4)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    # Calling other steps in between does not perturb it: no hidden RNG state.
+    data.train_batch(step=99, micro=0, batch_size=4)
+    assert torch.equal(data.train_batch(3, 1, 4)[0], x)
+    for other in [data.train_batch(4, 1, 4), data.train_batch(3, 0, 4)]:
+        assert not torch.equal(other[0], x)
+    assert not torch.equal(TokenData(out, seq_len=16, seed=8).train_batch(3, 1, 4)[0], x)
+
+    train = read_split(out, "train.bin", "uint8")
+    for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
+        i = find_start(train, row_x)
+        assert np.array_equal(row_x, train[i : i + 16])
+        assert np.array_equal(row_y, train[i + 1 : i + 17])
+
+
+def test_val_batches_fixed_and_from_val_split(tmp_path: Path) -> None:
+    out = random_corpus(tmp_path)
+    data = TokenData(out, seq_len=16, seed=7)
+    vb = data.val_batches(n_batches=3, batch_size=2)
+    assert len(vb) == 3 and all(x.shape == (2, 16) for x, _ in vb)
+    again = TokenData(out, seq_len=16, seed=7).val_batches(5, 2)
+    for (x, y), (x2, y2) in zip(vb, again[:3], strict=True):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(TokenData(out, seq_len=16, seed=1).val_batches(1, 2)[0][0], vb[0][0])
+    val = read_split(out, "val.bin", "uint8")
+    for x, y in vb:
+        for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
+            i = find_start(val, row_x)
+            assert np.array_equal(row_y, val[i + 1 : i + 17])
+
+
+def test_tokendata_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist; create it with atom prepare"):
+        TokenData(tmp_path / "missing", seq_len=8, seed=0)
+    out = random_corpus(tmp_path, n=200)
+    # val split has 20 tokens: enough for seq_len 19, not for 20.
+    # Exactly one valid window: every batch must be that window, never reading past the end.
+    tight = TokenData(out, seq_len=19, seed=0)
+    val = read_split(out, "val.bin", "uint8")
+    for x, y in tight.val_batches(8, 4):
+        assert (x.numpy() == val[:19]).all() and (y.numpy() == val[1:]).all()
+    with pytest.raises(DataError, match=r"val split .* has 20 tokens.*smaller seq_len"):
+        TokenData(out, seq_len=20, seed=0)
+    train = out / "train.bin"
+    train.write_bytes(train.read_bytes()[:-5])
+    with pytest.raises(DataError, match=r"train.bin has 175 bytes but meta.json expects 180") as e:
+        TokenData(out, seq_len=8, seed=0)
+    assert "\n" not in str(e.value) and "re-run atom prepare" in str(e.value)
+    (out / "meta.json").write_text("{not json")
+    with pytest.raises(DataError, match="not valid JSON"):
+        TokenData(out, seq_len=8, seed=0)
+
+
+def test_token_dtype_and_check_vocab() -> None:
+    assert [token_dtype(v).name for v in (256, 257, 65536, 65537)] == [
+        "uint8",
+        "uint16",
+        "uint16",
+        "uint32",
+    ]
+    meta = DatasetMeta(50257, "byte", "uint16", 10, 2, "x")
+    check_vocab(meta, 50257)
+    check_vocab(meta, 60000)
+    with pytest.raises(DataError, match=r"set --set model.vocab_size=50257") as e:
+        check_vocab(meta, 32000, data_dir="/data/ds")
+    assert str(e.value).startswith("dataset /data/ds uses a vocabulary of 50257 tokens")
+    assert "model.vocab_size is 32000" in str(e.value)
+
+
+def test_default_corpus_builds_once(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="atom.data")
+    d = default_corpus(cache_dir=tmp_path, max_bytes=200_000)
+    major, minor = sys.version_info[:2]
+    assert d == tmp_path / f"stdlib-py{major}{minor}-200000"
+    assert sum("default corpus" in r.getMessage() for r in caplog.records) == 1
+    data = TokenData(d, seq_len=64, seed=0)
+    assert data.meta.train_tokens + data.meta.val_tokens == 200_000
+    assert (data.meta.tokenizer, data.meta.dtype) == ("byte", "uint8")
+    assert "standard library" in data.meta.source
+    text = bytes(read_split(d, "train.bin", "uint8")).decode("utf-8", errors="replace")
+    assert "def " in text and "import " in text
+    # Nothing but the published dataset in the cache dir (temp build dir was renamed away).
+    assert [p.name for p in tmp_path.iterdir()] == [d.name]
+
+    stamps = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    caplog.clear()
+    assert default_corpus(cache_dir=tmp_path, max_bytes=200_000) == d
+    assert {p.name: p.stat().st_mtime_ns for p in d.iterdir()} == stamps
+    assert not [r for r in caplog.records if "default corpus" in r.getMessage()]
+
+
+def test_default_corpus_uses_atom_cache_env(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ATOM_CACHE", str(tmp_path / "cache"))
+    d = default_corpus(max_bytes=20_000)
+    assert d.parent == tmp_path / "cache" and (d / "meta.json").is_file()
+
+
+def test_tokenizers_bpe(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip(
+        "tokenizers", reason="tokenizers not installed (pip install 'atom[tokenizers]')"
+    )
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    sentences = [
+        "the quick brown fox jumps over the lazy dog",
+        "the lazy dog sleeps in the sun",
+        "a quick brown dog and a quick red fox",
+    ] * 5
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(sentences, trainer)
+    tok_path = tmp_path / "tokenizer.json"
+    tok.save(str(tok_path))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    assert 256 < vocab <= 300  # byte alphabet plus some merges: needs uint16 storage
+
+    src = tmp_path / "text.txt"
+    text = "\n".join(sentences) + "\n"
+    src.write_text(text)
+    out = tmp_path / "ds"
+    meta = prepare([src], out, tokenizer=f"tokenizers:{tok_path}", progress=False)
+    assert meta.vocab_size == vocab and meta.dtype == "uint16"
+    assert meta.tokenizer == f"tokenizers:{tok_path.resolve()}"
+    ids = np.concatenate(
+        [read_split(out, "train.bin", "uint16"), read_split(out, "val.bin", "uint16")]
+    )
+    assert len(ids) < len(text.encode())  # merges actually compressed the text
+    assert tok.decode(ids.tolist()) == text
+    data = TokenData(out, seq_len=4, seed=0)
+    x, _ = data.train_batch(0, 0, 2)
+    assert int(x.max()) < vocab
