@@ -1,0 +1,179 @@
+"""`atom` command line: train, prepare, generate.
+
+User-caused errors (bad config, missing file, corrupt checkpoint, bad data) print one
+line `atom: error: ...` and exit 2; internal bugs keep their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from atom.checkpoint import CheckpointError
+from atom.config import ConfigError, load_config
+from atom.data import DataError
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        help="YAML file, or a name from configs/ (tiny, gpt2-124m, "
+        "gpt3-1.3b, llama-7b, ...); default: the built-in tiny model",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=V",
+        help="override one config value, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atom",
+        description="Train language models larger than your GPU by streaming "
+        "units of layers through it.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (default: tiny GPT on a built-in corpus)")
+    _add_config_args(t)
+    t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    t.add_argument(
+        "--out",
+        default="runs/default",
+        help="run directory: metrics.jsonl, checkpoints/ (default: runs/default)",
+    )
+    t.add_argument(
+        "--resident",
+        action="store_true",
+        help="plain PyTorch training with the whole model on the device "
+        "(the reference and benchmark baseline)",
+    )
+    t.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from the newest valid checkpoint in DIR (a run directory or checkpoint)",
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    pr = sub.add_parser("prepare", help="tokenize text files into token shards for training")
+    pr.add_argument("inputs", nargs="+", help="text files or directories")
+    pr.add_argument("--out", required=True, help="dataset directory to write")
+    pr.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="'byte' (default, vocab 256) or a local tokenizer.json "
+        "(needs the 'tokenizers' package)",
+    )
+    pr.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="last fraction of tokens held out for validation (default 0.1)",
+    )
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("run", help="run directory or checkpoint directory")
+    g.add_argument("--prompt", default="\n", help="text to continue")
+    g.add_argument("--tokens", type=int, default=200, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def cmd_train(args) -> int:
+    from atom.train import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise ConfigError("--max-steps must be >= 1")
+        cfg.train.max_steps = args.max_steps
+    trainer = Trainer(
+        cfg,
+        Path(args.out),
+        resident=args.resident,
+        resume=Path(args.resume) if args.resume else None,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    mode = (
+        "resident"
+        if args.resident
+        else (
+            f"swapped: {len(trainer.engine.units)} units, "
+            f"{cfg.swap.layers_per_unit} layer(s)/unit, prefetch {cfg.swap.prefetch}"
+        )
+    )
+    print(
+        f"atom: training {cfg.model.arch} ({cfg.model.n_layer} layers, d={cfg.model.d_model}) "
+        f"on {trainer.data_dir} [{mode}] from step {trainer.start_step}",
+        flush=True,
+    )
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:
+        print("atom: interrupted; checkpoint saved in " + str(Path(args.out) / "checkpoints"))
+        return 130
+    if summary.history:
+        first = summary.history[0]["loss"]
+        print(
+            f"atom: {summary.steps} steps; loss {first:.4f} -> {summary.last_loss:.4f}; "
+            f"val loss {summary.val_loss:.4f}; {summary.tokens_per_s:,.0f} tokens/s; "
+            f"device peak {summary.device_peak_bytes / 2**20:.1f} MiB"
+        )
+    print(f"atom: checkpoint {summary.checkpoint}; metrics {Path(args.out) / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from atom.data import prepare
+
+    if not 0 < args.val_fraction < 1:
+        raise DataError("--val-fraction must be between 0 and 1")
+    meta = prepare(
+        [Path(p) for p in args.inputs],
+        Path(args.out),
+        tokenizer=args.tokenizer,
+        val_fraction=args.val_fraction,
+    )
+    print(
+        f"atom: wrote {meta.train_tokens:,} train and {meta.val_tokens:,} val tokens "
+        f"(vocab {meta.vocab_size}) to {args.out}; train with --set train.data={args.out}"
+    )
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from atom.generate import generate
+
+    print(
+        generate(Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handlers = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate}
+    try:
+        return handlers[args.command](args)
+    except USER_ERRORS as err:
+        print(f"atom: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

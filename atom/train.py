@@ -1,0 +1,280 @@
+"""The training loop: data -> engine (swapped or resident) -> metrics, eval, checkpoints.
+
+Everything that differs between swapped and resident training lives in the engines;
+this loop only sees train_step / evaluate / state_files / load_state.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from atom.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atom.config import Config, ConfigError
+from atom.data import TokenData, check_vocab, default_corpus
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
+    """auto: CUDA when present; bf16 where the GPU has it, fp16 (with loss scaling) where it
+    does not (RTX 20-series), fp32 on CPU."""
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device is cuda but no CUDA device is visible; use --set "
+            "train.device=cpu or install a CUDA build of torch"
+        )
+    device = torch.device(want)
+    if cfg.train.dtype != "auto":
+        dtype = DTYPES[cfg.train.dtype]
+    elif device.type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtype = torch.float32
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ConfigError("train.dtype=fp16 is for GPUs without bf16; use fp32 or bf16 on CPU")
+    return device, dtype
+
+
+def build_engine(cfg: Config, resident: bool = False):
+    device, dtype = resolve_device(cfg)
+    if resident:
+        from atom.resident import ResidentEngine
+
+        return ResidentEngine(cfg, device, dtype)
+    from atom.swap.backend import CpuBackend, CudaBackend
+    from atom.swap.engine import SwapEngine
+
+    if device.type == "cuda":
+        from atom.model import build_model
+        from atom.swap.units import partition
+
+        units = partition(build_model(cfg.model), cfg.swap.layers_per_unit)
+        backend = CudaBackend(device, max(u.n_total for u in units), dtype)
+    else:
+        backend = CpuBackend()
+    return SwapEngine(cfg, backend, dtype)
+
+
+def data_dir_for(cfg: Config) -> Path:
+    if cfg.train.data == "default":
+        return default_corpus()
+    return Path(cfg.train.data)
+
+
+@dataclass
+class RunSummary:
+    steps: int = 0
+    last_loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float | None = None
+    device_peak_bytes: int = 0
+    checkpoint: Path | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+def _rng_state() -> dict:
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def _set_rng_state(state: dict) -> None:
+    if "torch" in state:
+        raw = base64.b64decode(state["torch"])
+        torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        out_dir: Path,
+        resident: bool = False,
+        resume: Path | None = None,
+        progress: bool = True,
+    ):
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.resident = resident
+        data_dir = data_dir_for(cfg)
+        self.data = TokenData(data_dir, cfg.model.seq_len, cfg.train.seed)
+        check_vocab(self.data.meta, cfg.model.vocab_size, data_dir)
+        self.data_dir = data_dir
+        ckpt = self._open_resume(resume) if resume is not None else None
+        torch.manual_seed(cfg.train.seed)
+        self.engine = build_engine(cfg, resident)
+        self.start_step = 0
+        if ckpt is not None:
+            self._restore(ckpt)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self._trim_metrics(self.start_step)
+        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    # ------------------------------------------------------------ checkpoints
+    def _open_resume(self, path: Path):
+        ckpt = load_checkpoint(Path(path))
+        saved_model = ckpt.meta.get("config", {}).get("model")
+        if saved_model != self.cfg.to_dict()["model"]:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} was trained with a different model config; "
+                "resume with the same --config/--set model.* values it was saved with"
+            )
+        return ckpt
+
+    def _restore(self, ckpt) -> None:
+        meta = ckpt.meta
+        names = set(ckpt.names())
+
+        def get(name: str) -> torch.Tensor:
+            if name not in names:
+                raise CheckpointError(
+                    f"checkpoint {ckpt.path} has no tensor {name!r}; it does not match this model"
+                )
+            return ckpt.get(name)
+
+        has_optim = bool(meta.get("optimizer_steps"))
+        self.engine.load_state(get, has_optim, int(meta.get("optimizer_steps", 0)))
+        self.start_step = ckpt.step
+        _set_rng_state(meta.get("rng", {}))
+        scale = meta.get("loss_scale")
+        if scale and getattr(self.engine, "scaler", None) is not None and not self.resident:
+            self.engine.scaler.scale = float(scale)
+        log.info("resumed from %s at step %d", ckpt.path, self.start_step)
+
+    def save(self, step: int) -> Path:
+        scaler = getattr(self.engine, "scaler", None)
+        meta = {
+            "config": self.cfg.to_dict(),
+            "engine": "resident" if self.resident else "swap",
+            "data": {
+                "dir": str(self.data_dir),
+                "position": step,
+                "tokenizer": self.data.meta.tokenizer,
+            },
+            "optimizer_steps": self.engine.optimizer_steps(),
+            "rng": _rng_state(),
+            "loss_scale": getattr(scaler, "scale", None) if not self.resident else None,
+        }
+        return save_checkpoint(
+            self.out,
+            step,
+            self.engine.state_files(),
+            meta,
+            keep=max(1, self.cfg.train.keep_checkpoints),
+        )
+
+    def _trim_metrics(self, start: int) -> None:
+        """On resume, drop records of steps the checkpoint does not include."""
+        if not self.metrics_path.exists():
+            return
+        kept = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) < start
+        ]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    # ------------------------------------------------------------ loop
+    def evaluate(self) -> float:
+        batches = self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch)
+        return self.engine.evaluate(batches)
+
+    def run(self, max_steps: int | None = None) -> RunSummary:
+        from atom.optim import lr_at
+
+        tc = self.cfg.train
+        end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)
+        tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
+        summary = RunSummary(steps=self.start_step)
+        bar = tqdm(
+            total=end,
+            initial=self.start_step,
+            disable=not self.progress,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        last_saved_step = None
+        t_prev = time.perf_counter()
+        rates = []
+        try:
+            with self.metrics_path.open("a") as metrics:
+                for step in range(self.start_step, end):
+                    batches = [
+                        self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)
+                    ]
+                    lr = lr_at(step, tc)
+                    result = self.engine.train_step(batches, lr)
+                    now = time.perf_counter()
+                    dt, t_prev = now - t_prev, now
+                    rate = tokens_per_step / dt
+                    rates.append(rate)
+                    record = {
+                        "step": step + 1,
+                        "loss": result.loss,
+                        "lr": lr,
+                        "tokens_per_s": rate,
+                        "step_time_s": dt,
+                        "device_peak_bytes": self.engine.device_peak_bytes(),
+                    }
+                    if result.grad_norm is not None:
+                        record["grad_norm"] = result.grad_norm
+                    if result.skipped:
+                        record["skipped"] = True
+                    done = step + 1
+                    if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
+                        record["val_loss"] = self.evaluate()
+                        summary.val_loss = record["val_loss"]
+                        t_prev = time.perf_counter()  # eval time is not step time
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                    summary.history.append(record)
+                    summary.steps, summary.last_loss = done, result.loss
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{result.loss:.4f}",
+                        tok_s=f"{rate:,.0f}",
+                        dev=_human(record["device_peak_bytes"]),
+                        refresh=False,
+                    )
+                    if tc.ckpt_interval and done % tc.ckpt_interval == 0:
+                        summary.checkpoint, last_saved_step = self.save(done), done
+                        t_prev = time.perf_counter()
+        except KeyboardInterrupt:
+            bar.close()
+            log.warning("interrupted: saving a checkpoint at step %d", summary.steps)
+            if summary.steps > self.start_step:
+                summary.checkpoint = self.save(summary.steps)
+            self.engine.close()
+            raise
+        bar.close()
+        if summary.steps > self.start_step and last_saved_step != summary.steps:
+            summary.checkpoint = self.save(summary.steps)
+        # skip the first step's rate: it pays one-off allocation and warm-up
+        steady = rates[1:] or rates
+        summary.tokens_per_s = sum(steady) / len(steady) if steady else None
+        summary.device_peak_bytes = self.engine.device_peak_bytes()
+        self.engine.close()
+        return summary
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)
