@@ -8,6 +8,8 @@ Every field is validated in __post_init__ (ValueError) and again across sections
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -187,13 +189,42 @@ def _suggest(name: str, options) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(options)}"
 
 
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Check a YAML value against a field's annotation (int, float, bool, str, X | None)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return True
+        if option is bool and isinstance(value, bool):
+            return True
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if option is str and isinstance(value, str):
+            return True
+    return False
+
+
 def _build_section(factory, section: str, values: dict[str, Any]):
     if not isinstance(values, dict):
         raise ConfigError(f"config section {section!r} must be a mapping")
     known = {f.name: f for f in fields(factory)}
-    for key in values:
+    hints = typing.get_type_hints(factory)
+    values = dict(values)
+    for key, value in values.items():
         if key not in known:
             raise ConfigError(f"unknown key {section}.{key}{_suggest(key, known)}")
+        if isinstance(value, str) and float in typing.get_args(hints[key]) + (hints[key],):
+            # YAML 1.1 reads 3e-4 (no dot) as a string; accept it as the number it is
+            try:
+                value = values[key] = float(value)
+            except ValueError:
+                pass
+        if not _type_ok(value, hints[key]):
+            expected = str(hints[key]).replace("<class '", "").replace("'>", "")
+            raise ConfigError(f"{section}.{key} must be {expected}, got {value!r}")
+    values = {k: float(v) if hints[k] is float else v for k, v in values.items()}
     try:
         return factory(**values)
     except (ValueError, TypeError) as err:

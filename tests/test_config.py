@@ -1,0 +1,84 @@
+"""Configs: every file in configs/ loads and builds on the meta device; bad values refused.
+
+pytest tests/test_config.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from atom.config import CONFIG_DIR, Config, ConfigError, load_config
+from atom.model import build_model, count_parameters
+
+CONFIG_FILES = sorted(Path(CONFIG_DIR).glob("*.yaml"))
+# published parameter counts (millions), to catch a wrong shape in a config file
+EXPECTED_M = {
+    "tiny": 0.84,
+    "gpt2-124m": 124.4,
+    "gpt3-350m": 355.9,
+    "gpt3-1.3b": 1315.7,
+    "gpt3-2.7b": 2651.6,
+    "gpt3-6.7b": 6658.4,
+    "llama-1b": 1100.0,
+    "llama-7b": 6738.4,
+}
+
+
+def test_all_named_configs_are_present():
+    assert {p.stem for p in CONFIG_FILES} == set(EXPECTED_M)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
+def test_config_loads_and_builds_on_meta(path):
+    cfg = load_config(path)
+    model = build_model(cfg.model)  # meta: no memory, even for 7B
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert count_parameters(model) / 1e6 == pytest.approx(EXPECTED_M[path.stem], abs=0.1)
+    logits, _ = model(torch.zeros(1, 8, dtype=torch.long, device="meta"))
+    assert logits.shape == (1, 8, cfg.model.vocab_size)
+
+
+def test_defaults_are_the_tiny_config():
+    assert Config().to_dict() == load_config("tiny").to_dict() | {"train": Config().train.__dict__}
+
+
+def test_overrides_type_themselves():
+    cfg = load_config(None, ["train.lr=3e-4", "swap.checkpoint=false", "model.n_layer=2"])
+    assert cfg.train.lr == 3e-4 and cfg.swap.checkpoint is False and cfg.model.n_layer == 2
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model.d_model=100", "model.n_head=3"], "divisible"),
+        (["swap.layers_per_unit=0"], "layers_per_unit"),
+        (["swap.prefetch=9"], "prefetch"),
+        (["train.lr=-1"], "lr"),
+        (["model.arch=rnn"], "arch"),
+        (["train.nope=1"], "unknown --set key train.nope"),
+        (["trian.lr=1"], "did you mean 'train'"),
+        (["model.n_head"], "section.key=value"),
+        (["model.n_layer=two"], "n_layer"),
+    ],
+)
+def test_bad_values_are_one_line_errors(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {arch: gpt\n  n_layer: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model: {n_layers: 2}\n")
+    with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
+        load_config(unknown)
