@@ -181,11 +181,13 @@ class Trainer:
         """On resume, drop records of steps the checkpoint does not include."""
         if not self.metrics_path.exists():
             return
-        kept = [
-            line
-            for line in self.metrics_path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) < start
-        ]
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= start:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                pass  # a line cut short by a killed run
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------ loop

@@ -1,0 +1,155 @@
+"""The `atom` command line: bad input is one line and exit 2; the default run trains.
+
+pytest tests/test_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from atom.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def run_dir(tmp_path, text_dataset, capsys):
+    """A finished 2-step run with a checkpoint."""
+    out = tmp_path / "run"
+    code, _, _ = run_cli(
+        capsys,
+        "train",
+        "--set",
+        "model.n_layer=2",
+        "--set",
+        "model.seq_len=32",
+        "--set",
+        f"train.data={text_dataset}",
+        "--max-steps",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert code == 0
+    return out
+
+
+def corrupt(run_dir):
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    victim = ckpt / "unit_001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", "--config", "no/such.yaml"], "config file not found"),
+        (["train", "--set", "model.d_model=100", "--set", "model.n_head=3"], "divisible by"),
+        (["train", "--set", "swap.layers_per_unit=0"], "layers_per_unit must be >= 1"),
+        (
+            ["train", "--set", "swap.prefetch=50"],
+            "prefetch (50) is larger than the number of units",
+        ),
+        (["train", "--set", "train.bogus=1"], "unknown --set key train.bogus"),
+        (["train", "--set", "train.data=/no/such/dir"], "/no/such/dir"),
+        (["train", "--resume", "/no/such/run"], "no checkpoint"),
+        (["train", "--max-steps", "0"], "--max-steps"),
+        (["prepare", "/no/such/file.txt", "--out", "/tmp/x"], "/no/such/file.txt"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atom: error: "), err
+    assert needle in lines[0]
+    assert "Traceback" not in err
+
+
+def test_bad_yaml_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  arch: gpt\n   n_layer: 2\n")
+    code, _, err = run_cli(capsys, "train", "--config", str(bad))
+    assert code == 2 and "not valid YAML" in err and len(err.strip().splitlines()) == 1
+
+
+def test_corrupt_checkpoint_refused_and_kept(run_dir, capsys):
+    ckpt = corrupt(run_dir)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    code, _, err = run_cli(capsys, "train", "--resume", str(ckpt), "--out", str(run_dir))
+    assert code == 2 and "corrupt" in err and len(err.strip().splitlines()) == 1
+    # refused, and not overwritten or deleted
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+
+
+def test_mismatched_checkpoint_refused(run_dir, text_dataset, capsys):
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--resume",
+        str(run_dir),
+        "--out",
+        str(run_dir),
+        "--set",
+        "model.n_layer=3",
+        "--set",
+        f"train.data={text_dataset}",
+    )
+    assert code == 2 and "different model config" in err
+
+
+def test_metrics_have_the_promised_fields(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        for key in ("step", "loss", "lr", "tokens_per_s", "step_time_s", "device_peak_bytes"):
+            assert key in r
+        assert r["device_peak_bytes"] > 0
+    assert "val_loss" in records[-1]
+
+
+def test_generate_from_checkpoint(run_dir, capsys):
+    code, out, _ = run_cli(capsys, "generate", str(run_dir), "--prompt", "the ", "--tokens", "20")
+    assert code == 0 and out.startswith("the ") and len(out.encode()) >= 20
+
+
+@pytest.mark.slow
+def test_default_run_in_a_fresh_process_drops_the_loss(tmp_path):
+    """`atom train` with no config: built-in tiny model on the stdlib corpus."""
+    env = dict(os.environ, ATOM_CACHE=str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "atom.cli", "train", "--max-steps", "40", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0  # from ~5.5 (uniform over 256 bytes)
+
+
+def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "atom.cli", "train", "--set", "swap.prefetch=-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["atom: error: swap.prefetch must be >= 0, got -1"]

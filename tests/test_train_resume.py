@@ -1,0 +1,113 @@
+"""Resume: an interrupted run continues exactly; a run killed while checkpointing always
+leaves a checkpoint that loads and resumes.
+
+    pytest tests/test_train_resume.py
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from atom.checkpoint import find_latest, load_checkpoint
+from atom.config import load_config
+from atom.train import Trainer
+from tests.conftest import tiny_config
+
+
+def final_params(run_dir):
+    ckpt = load_checkpoint(run_dir)
+    return {n: ckpt.get(n) for n in ckpt.names() if not n.startswith("optim.")}
+
+
+def losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_resume_equals_uninterrupted(tmp_path, text_dataset, resident):
+    cfg = tiny_config(
+        train={"max_steps": 8, "grad_accum": 2, "data": str(text_dataset)},
+        swap={"layers_per_unit": 1, "prefetch": 1},
+    )
+    Trainer(cfg, tmp_path / "full", resident=resident, progress=False).run()
+    Trainer(cfg, tmp_path / "split", resident=resident, progress=False).run(max_steps=3)
+    Trainer(
+        cfg, tmp_path / "split", resident=resident, resume=tmp_path / "split", progress=False
+    ).run()
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+    full, split = final_params(tmp_path / "full"), final_params(tmp_path / "split")
+    assert full.keys() == split.keys()
+    for name in full:
+        assert torch.equal(full[name], split[name]), name
+
+
+def test_swapped_checkpoint_resumes_resident(tmp_path, text_dataset):
+    """Checkpoints are keyed by parameter name, not by unit: either engine reads either."""
+    cfg = tiny_config(train={"max_steps": 6, "data": str(text_dataset)})
+    Trainer(cfg, tmp_path / "a", progress=False).run(max_steps=3)
+    Trainer(cfg, tmp_path / "a", resident=True, resume=tmp_path / "a", progress=False).run()
+    Trainer(cfg, tmp_path / "b", progress=False).run()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) / y < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigkill_while_checkpointing_always_leaves_a_resumable_checkpoint(tmp_path, text_dataset):
+    run = tmp_path / "run"
+    overrides = [
+        f"train.data={text_dataset}",
+        "train.ckpt_interval=1",
+        "train.keep_checkpoints=2",
+        "train.max_steps=100000",
+        "model.n_layer=2",
+        "model.seq_len=32",
+        "train.eval_interval=0",
+    ]
+    argv = [sys.executable, "-m", "atom.cli", "train", "--out", str(run), "--no-progress"]
+    for item in overrides:
+        argv += ["--set", item]
+    cfg = load_config(None, overrides)
+    rng = random.Random(7)
+    last_step = 0
+    for round_ in range(8):
+        resume = ["--resume", str(run)] if round_ else []
+        child = subprocess.Popen(
+            argv + resume, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            deadline = time.monotonic() + 60
+            # wait until this process has written a checkpoint past the last one we saw
+            while time.monotonic() < deadline:
+                steps = (
+                    [int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")]
+                    if (run / "checkpoints").exists()
+                    else []
+                )
+                if steps and max(steps) > last_step:
+                    break
+                assert child.poll() is None, "trainer exited early"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.05))  # a checkpoint is written every few ms
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+        latest = find_latest(run)
+        ckpt = load_checkpoint(latest)  # verifies sizes and hashes
+        assert ckpt.step >= last_step
+        last_step = ckpt.step
+        # and it resumes: the engine restores from it without complaint
+        trainer = Trainer(cfg, tmp_path / f"probe{round_}", resume=latest, progress=False)
+        assert trainer.start_step == ckpt.step
+        trainer.engine.close()
+    assert last_step > 1
