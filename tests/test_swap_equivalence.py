@@ -191,3 +191,25 @@ def test_bf16_on_cpu_trains_close_to_fp32():
         assert engine.store.buffers[1].master.dtype == torch.float32
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_deepspeed_cpu_adam_matches_torch_adamw():
+    """train.optimizer=deepspeed (DeepSpeedCPUAdam, JIT-built on first use: ~30 s once)."""
+    pytest.importorskip("deepspeed")
+    cfg = tiny_config(train={"optimizer": "deepspeed"})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    reference = ResidentEngine(tiny_config(), torch.device("cpu"), torch.float32)
+    try:
+        for step in range(STEPS):
+            lr = lr_at(step, cfg.train)
+            a = engine.train_step(batches_for(step, cfg), lr).loss
+            b = reference.train_step(batches_for(step, cfg), lr).loss
+            assert abs(a - b) / b < 1e-4
+        ref = reference.named_parameters()
+        params = engine.named_parameters()
+        for name, p in ref.items():
+            assert rel_err(params[name], p) < 1e-4, name
+        assert type(engine.optimizers[0]).__name__ == "DeepSpeedCPUAdam"
+    finally:
+        engine.close()
