@@ -213,3 +213,27 @@ def test_deepspeed_cpu_adam_matches_torch_adamw():
         assert type(engine.optimizers[0]).__name__ == "DeepSpeedCPUAdam"
     finally:
         engine.close()
+
+
+def test_fp16_loss_scaling_skips_overflow_and_backs_off():
+    """The fp16 path (GPUs without bf16) run through the CPU backend: an overflowing step
+    is skipped without touching the weights and the loss scale halves."""
+    cfg = tiny_config()
+    engine = SwapEngine(cfg, CpuBackend(), torch.float16)
+    try:
+        first = engine.train_step(batches_for(0, cfg), 1e-3)
+        assert not first.skipped and engine.scaler.scale == 2.0**16
+        before = {k: v.clone() for k, v in engine.named_parameters().items()}
+        engine.scaler.scale = 1e30  # scaled grads overflow fp16
+        result = engine.train_step(batches_for(1, cfg), 1e-3)
+        assert result.skipped and engine.scaler.scale == 5e29
+        after = engine.named_parameters()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        engine.scaler.scale = 2.0**10
+        assert not engine.train_step(batches_for(2, cfg), 1e-3).skipped
+        changed = engine.named_parameters()
+        assert not torch.equal(
+            changed["blocks.0.attn.c_attn.weight"], before["blocks.0.attn.c_attn.weight"]
+        )
+    finally:
+        engine.close()
