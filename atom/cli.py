@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from atom.train import Trainer
+    from atom.train import Trainer, host_bytes_needed
 
     cfg = load_config(args.config, args.overrides)
     if args.max_steps is not None:
@@ -113,9 +113,12 @@ def cmd_train(args) -> int:
             f"{cfg.swap.layers_per_unit} layer(s)/unit, prefetch {cfg.swap.prefetch}"
         )
     )
+    n_params = sum(t.numel() for t in trainer.engine.named_parameters().values())
+    host = host_bytes_needed(n_params, trainer.engine.dtype)
     print(
-        f"atom: training {cfg.model.arch} ({cfg.model.n_layer} layers, d={cfg.model.d_model}) "
-        f"on {trainer.data_dir} [{mode}] from step {trainer.start_step}",
+        f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
+        f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} [{mode}] "
+        f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB",
         flush=True,
     )
     try:

@@ -98,7 +98,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # adamw (torch fused) | deepspeed (DeepSpeedCPUAdam)
     eval_interval: int = 100
     eval_batches: int = 10
-    log_interval: int = 1
+    log_interval: int = 10  # a log line every N steps when there is no progress bar
     ckpt_interval: int = 100
     keep_checkpoints: int = 3
     data: str = "default"  # "default" (stdlib corpus, no download) or a dir made by `atom prepare`

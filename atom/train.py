@@ -49,8 +49,35 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+# Host bytes per parameter the swap engine keeps: fp32 master + fp32 grad + two fp32 Adam
+# moments, plus the compute-dtype copy that crosses the bus (absent in fp32).
+def host_bytes_needed(n_params: int, dtype: torch.dtype) -> int:
+    copy = 0 if dtype == torch.float32 else torch.empty(0, dtype=dtype).element_size()
+    return n_params * (16 + copy)
+
+
+def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
+    """Refuse up front, with the numbers, a run whose host buffers cannot fit in RAM."""
+    import psutil
+
+    from atom.model import build_model, count_parameters
+
+    n_params = count_parameters(build_model(cfg.model))
+    need = host_bytes_needed(n_params, dtype)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(
+            f"this model ({n_params / 1e9:.2f}B parameters) needs {need / 2**30:.1f} GiB of "
+            f"host RAM for weights, gradients and optimizer state, but only "
+            f"{available / 2**30:.1f} GiB is available; choose a smaller model or add RAM"
+        )
+    return need
+
+
 def build_engine(cfg: Config, resident: bool = False):
     device, dtype = resolve_device(cfg)
+    if not resident or device.type == "cpu":
+        check_host_memory(cfg, dtype)
     if resident:
         from atom.resident import ResidentEngine
 
@@ -247,6 +274,17 @@ class Trainer:
                     summary.history.append(record)
                     summary.steps, summary.last_loss = done, result.loss
                     bar.update(1)
+                    if not self.progress and (done % tc.log_interval == 0 or done == end):
+                        log.info(
+                            "step %d/%d loss %.4f%s lr %.2e %.0f tokens/s device %s",
+                            done,
+                            end,
+                            result.loss,
+                            f" val {record['val_loss']:.4f}" if "val_loss" in record else "",
+                            lr,
+                            rate,
+                            _human(record["device_peak_bytes"]),
+                        )
                     bar.set_postfix(
                         loss=f"{result.loss:.4f}",
                         tok_s=f"{rate:,.0f}",

@@ -153,3 +153,18 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["atom: error: swap.prefetch must be >= 0, got -1"]
+
+
+def test_a_model_too_big_for_host_ram_is_refused_up_front(capsys):
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--config",
+        "llama-7b",
+        "--set",
+        "model.n_layer=2000",
+        "--set",
+        "train.device=cpu",
+    )
+    assert code == 2
+    assert "GiB of host RAM" in err and "available" in err
