@@ -34,6 +34,8 @@ class ModelConfig:
     vocab_size: int = 256
     seq_len: int = 128
     bias: bool = False  # gpt only: biases in Linear and LayerNorm
+    gelu: str = "none"  # gpt only: "none" = exact GELU, "tanh" = GPT-2's approximation
+    qkv_bias: bool = False  # llama only: biases on q/k/v projections (Qwen2)
     tie_embeddings: bool | None = None  # None: True for gpt, False for llama
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -54,6 +56,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
             )
+        if self.gelu not in ("none", "tanh"):
+            raise ValueError(f"model.gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.arch == "llama" and (self.d_model // self.n_head) % 2:
             raise ValueError("llama needs an even head dimension (d_model / n_head) for RoPE")
 

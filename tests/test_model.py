@@ -72,6 +72,7 @@ def test_rope_scores_depend_only_on_relative_position():
         return float(qi @ kj)
 
     assert abs(score(5, 2) - score(20, 17)) < 1e-4
+    assert abs(score(3, 3) - float(q @ k)) < 1e-4  # no rotation between equal positions
     assert abs(score(5, 2) - score(5, 4)) > 1e-4  # and it does depend on the offset
     rotated = apply_rope(q.view(1, 1, 1, 8).expand(1, 1, 32, 8), cos, sin)
     torch.testing.assert_close(rotated.norm(dim=-1), q.norm().expand(1, 1, 32))

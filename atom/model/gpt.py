@@ -42,9 +42,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.approximate = cfg.gelu  # "none" (exact erf) or "tanh" (GPT-2's gelu_new)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class GPTBlock(nn.Module):

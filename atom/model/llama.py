@@ -24,10 +24,11 @@ def rope_tables(T: int, dim: int, theta: float, device, dtype) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (B, nh, T, hs); rotate interleaved pairs (x0, x1) as in Meta's reference code.
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2)
+    # x: (B, nh, T, hs); rotate the pairs (x[i], x[i + hs/2]) ("rotate half", the layout
+    # Hugging Face LLaMA/Mistral/Qwen2 checkpoints use, so they load without permuting).
+    half = x.size(-1) // 2
+    x0, x1 = x[..., :half], x[..., half:]
+    return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -47,9 +48,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
-        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hs, bias=False)
-        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=False)
-        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hs, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.hs, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
