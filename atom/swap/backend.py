@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -104,9 +105,12 @@ class Backend:
         src: torch.Tensor,
         after: object | None,
         host_ready: list[threading.Event],
+        locks: list[threading.Lock] = (),
     ) -> Transfer:
         """Copy host `src` into device `dst` once `after` (compute marker) has passed and
-        every `host_ready` event (the optimizer finished writing `src`) is set."""
+        every `host_ready` event (the optimizer finished writing `src`) is set. The copy
+        runs holding `locks` (in the order given), so a writer that takes them too (peer
+        averaging) never lands half-way through a copy."""
         raise NotImplementedError
 
     def d2h(self, src: torch.Tensor, after: object | None) -> Transfer:
@@ -152,11 +156,12 @@ class CpuBackend(Backend):
         # Compute on CPU is synchronous in the calling thread: once it returns, it is done.
         return None
 
-    def h2d(self, dst, src, after, host_ready) -> Transfer:
+    def h2d(self, dst, src, after, host_ready, locks=()) -> Transfer:
         def job() -> None:
             for ev in host_ready:
                 _wait_event(ev)
-            dst.copy_(src)
+            with _held(locks):
+                dst.copy_(src)
 
         return self._copier.submit(job, Transfer())
 
@@ -173,6 +178,14 @@ class CpuBackend(Backend):
 
     def close(self) -> None:
         self._copier.close()
+
+
+@contextmanager
+def _held(locks):
+    with ExitStack() as stack:
+        for lock in locks:
+            stack.enter_context(lock)
+        yield
 
 
 def _wait_event(ev: threading.Event) -> None:
@@ -221,18 +234,20 @@ class CudaBackend(Backend):
         ev.record(self.compute)
         return ev
 
-    def h2d(self, dst, src, after, host_ready) -> Transfer:
+    def h2d(self, dst, src, after, host_ready, locks=()) -> Transfer:
         t = Transfer()
 
         def job() -> None:
             for ev in host_ready:
                 _wait_event(ev)
-            with torch.cuda.stream(self.h2d_stream):
+            with _held(locks), torch.cuda.stream(self.h2d_stream):
                 if after is not None:
                     self.h2d_stream.wait_event(after)  # slot's previous reader finished
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.h2d_stream)
+                if locks:
+                    ev.synchronize()  # the source must not change until the DMA has read it
             t.cuda_event = ev
 
         return self._copier.submit(job, t)

@@ -181,12 +181,14 @@ class SwapEngine:
         for buf in self.store.buffers:
             buf.ready.set()
 
-    def _ready_events(self, unit: int) -> list[threading.Event]:
-        """A unit's compute buffer is final once it and the owners of its aliases are."""
-        events = [self.store.buffers[unit].ready]
-        for entry in self.units[unit].aliases:
-            events.append(self.store.buffers[entry.alias_of[0]].ready)
-        return events
+    def _load(self, unit: int) -> None:
+        """Start copying a unit to the device once its compute buffer is final: the unit and
+        the owners of its aliases are updated (ready), and no one is writing them (locks)."""
+        owners = sorted({unit} | {e.alias_of[0] for e in self.units[unit].aliases})
+        bufs = [self.store.buffers[i] for i in owners]
+        self.slots.load(
+            unit, self.store.buffers[unit].compute, [b.ready for b in bufs], [b.lock for b in bufs]
+        )
 
     # ------------------------------------------------------------------ schedule
     def _window(self, order: list[tuple[int, str, int]], pos: int) -> list[int]:
@@ -206,7 +208,7 @@ class SwapEngine:
             self.slots.release(done_unit)
         for unit in window:
             if not self.slots.has(unit):
-                self.slots.load(unit, self.store.buffers[unit].compute, self._ready_events(unit))
+                self._load(unit)
 
     # ------------------------------------------------------------------ hooks
     def _hooks(self, unit: int, counter: list[int]):
@@ -258,7 +260,7 @@ class SwapEngine:
                 x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
                 h = x
             if not self.slots.has(u):
-                self.slots.load(u, self.store.buffers[u].compute, self._ready_events(u))
+                self._load(u)
             flat = self.slots.acquire(u)
             last_micro = m == n_micro - 1
             if phase == "f" and u < N - 1:
@@ -390,7 +392,7 @@ class SwapEngine:
             if u == 0:
                 h, y = (t.to(self.backend.device) for t in batches[b])
             if not self.slots.has(u):
-                self.slots.load(u, self.store.buffers[u].compute, self._ready_events(u))
+                self._load(u)
             flat = self.slots.acquire(u)
             if u < N - 1:
                 h = run_unit(self.units[u], flat, h)

@@ -54,13 +54,15 @@ class DeviceSlots:
     def has_free(self) -> bool:
         return any(s.state == FREE for s in self.slots)
 
-    def load(self, unit: int, src: torch.Tensor, host_ready) -> Slot:
+    def load(self, unit: int, src: torch.Tensor, host_ready, locks=()) -> Slot:
         """Start copying a unit's compute buffer into a free slot (asynchronous)."""
         assert unit not in self._where, f"unit {unit} is already on the device"
         slot = next((s for s in self.slots if s.state == FREE), None)
         assert slot is not None, "no free device slot: the schedule broke the resident bound"
         slot.state, slot.unit = LOADING, unit
-        slot.transfer = self.backend.h2d(slot.flat[: src.numel()], src, slot.last_use, host_ready)
+        slot.transfer = self.backend.h2d(
+            slot.flat[: src.numel()], src, slot.last_use, host_ready, locks
+        )
         self._where[unit] = slot
         self.loads += 1
         self.max_resident = max(self.max_resident, len(self._where))
