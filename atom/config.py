@@ -136,12 +136,16 @@ class SwapConfig:
     layers_per_unit: int = 1
     prefetch: int = 1  # units loaded ahead of the one computing; slots = prefetch + 1
     checkpoint: bool = True  # keep only unit inputs in forward, recompute in backward
+    offload_activations: bool = False  # with checkpoint: keep those unit inputs in host memory
 
     def __post_init__(self) -> None:
         if self.layers_per_unit < 1:
             raise ValueError(f"swap.layers_per_unit must be >= 1, got {self.layers_per_unit}")
         if self.prefetch < 0:
             raise ValueError(f"swap.prefetch must be >= 0, got {self.prefetch}")
+        if self.offload_activations and not self.checkpoint:
+            raise ValueError("swap.offload_activations needs swap.checkpoint: true (only the "
+                             "checkpointed unit inputs are offloaded)")
 
 
 @dataclass

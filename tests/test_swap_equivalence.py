@@ -69,6 +69,7 @@ CASES = [
     ("llama", 1, 1, 1, True, 1.0),
     ("llama", 2, 0, 2, True, 0.0),
     ("llama", 1, 2, 3, False, 1.0),
+    ("gpt", 2, 1, 2, "offload", 1.0),  # checkpointed inputs kept in host memory
 ]
 
 
@@ -77,11 +78,13 @@ def test_swapped_matches_resident(arch, lpu, prefetch, accum, ckpt, clip):
     model = {"arch": arch}
     if arch == "llama":
         model["n_kv_head"] = 2  # exercise grouped-query attention
-    cfg = tiny_config(
-        model=model,
-        train={"grad_accum": accum, "grad_clip": clip},
-        swap={"layers_per_unit": lpu, "prefetch": prefetch, "checkpoint": ckpt},
-    )
+    swap = {
+        "layers_per_unit": lpu,
+        "prefetch": prefetch,
+        "checkpoint": bool(ckpt),
+        "offload_activations": ckpt == "offload",
+    }
+    cfg = tiny_config(model=model, train={"grad_accum": accum, "grad_clip": clip}, swap=swap)
     swapped, resident, losses, params = train_both(cfg)
     for s, r in losses:
         assert abs(s - r) / abs(r) <= 1e-5, losses

@@ -121,6 +121,13 @@ class Backend:
     def release_host(self, t: Transfer) -> None:
         pass
 
+    def offload(self, t: torch.Tensor) -> torch.Tensor:
+        """Move an activation to host memory (activation offload); `fetch` brings it back."""
+        return t
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
     def wait_compute(self, t: Transfer) -> None:
         raise NotImplementedError
 
@@ -270,6 +277,16 @@ class CudaBackend(Backend):
 
     def release_host(self, t: Transfer) -> None:
         self._staging.put(t._buf)  # type: ignore[attr-defined]
+
+    def offload(self, t: torch.Tensor) -> torch.Tensor:
+        # On the compute stream: ordered after the kernel that made `t` and before the
+        # `fetch` that reads it back, with no event bookkeeping.
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
 
     def wait_compute(self, t: Transfer) -> None:
         _wait_issued(t)

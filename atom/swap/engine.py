@@ -211,10 +211,14 @@ class SwapEngine:
                 self._load(unit)
 
     # ------------------------------------------------------------------ hooks
-    def _hooks(self, unit: int, counter: list[int]):
+    def _hooks(self, unit: int, counter: list[int], counted: torch.Tensor | None = None):
+        """Save parameters by location; count activation bytes (once per storage, and not
+        the checkpointed unit input `counted`, which the ledger already holds)."""
         slot_flat = self.slots.flat_of(unit)
         slot_ptr = slot_flat.untyped_storage().data_ptr()
         seen: set[int] = set()
+        if counted is not None:
+            seen.add(counted.untyped_storage().data_ptr())
 
         def pack(t: torch.Tensor):
             ptr = t.untyped_storage().data_ptr()
@@ -279,9 +283,12 @@ class SwapEngine:
 
     def _forward_unit(self, u, flat, h, ckpt: bool, saved: dict) -> torch.Tensor:
         if ckpt:
-            saved[u] = h
-            if u > 0:
-                self.ledger.add(h.nbytes)
+            if u > 0 and self.cfg.swap.offload_activations:
+                saved[u] = self.backend.offload(h)  # kept in host memory until backward
+            else:
+                saved[u] = h
+                if u > 0:
+                    self.ledger.add(h.nbytes)
             with torch.no_grad():
                 return run_unit(self.units[u], flat, h)
         counter = [0]
@@ -299,24 +306,29 @@ class SwapEngine:
         with self._hooks(u, counter):
             loss = run_unit(self.units[u], p, h_in, y)
         grad_h, p_grad = torch.autograd.grad(loss * scale, [h_in, p])
+        self.ledger.add(p_grad.nbytes)  # released once posted to the host
         self.ledger.sub(counter[0])
         return loss, grad_h, p_grad
 
     def _backward_unit(self, u, flat, grad_h, ckpt: bool, saved: dict):
         unit = self.units[u]
+        offloaded = ckpt and u > 0 and self.cfg.swap.offload_activations
         if ckpt:
             x = saved.pop(u)
+            if offloaded:
+                x = self.backend.fetch(x)
             counter = [0]
             h_in = x if u == 0 else x.detach().requires_grad_()
             p = flat[: unit.n_total].detach().requires_grad_()
-            with self._hooks(u, counter):
+            with self._hooks(u, counter, counted=None if offloaded else h_in):
                 out = run_unit(unit, p, h_in)
         else:
             h_in, out, p, counter = saved.pop(u)
         inputs = [p] if u == 0 else [h_in, p]
         grads = torch.autograd.grad(out, inputs, grad_h)
+        self.ledger.add(grads[-1].nbytes)  # the parameter gradient, until posted
         self.ledger.sub(counter[0])
-        if ckpt and u > 0:
+        if ckpt and u > 0 and not offloaded:
             self.ledger.sub(h_in.nbytes)
         return (None, grads[0]) if u == 0 else grads
 
@@ -324,6 +336,7 @@ class SwapEngine:
     def _post_grads(self, u: int, p_grad: torch.Tensor, first: bool, last: bool) -> None:
         buf = self.store.buffers[u]
         transfer = self.backend.d2h(p_grad, self.backend.record())
+        self.ledger.sub(p_grad.nbytes)
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
