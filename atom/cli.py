@@ -63,6 +63,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the newest valid checkpoint in DIR (a run directory or checkpoint)",
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument(
+        "--plan",
+        metavar="PLAN_JSON",
+        help="use the partition, prefetch and micro-batch chosen by `atom profile`",
+    )
+
+    pf = sub.add_parser(
+        "profile", help="measure model and machine, choose the plan that fits, write plan.json"
+    )
+    _add_config_args(pf)
+    pf.add_argument("--out", default="plan.json", help="plan file to write (default plan.json)")
+    pf.add_argument(
+        "--gpu-mem",
+        help="device memory budget, e.g. 12GiB (emulates a smaller card; default: free "
+        "device memory less a margin)",
+    )
+    pf.add_argument("--host-mem", help="host RAM for model state (default: available RAM)")
+    pf.add_argument(
+        "--hardware",
+        metavar="NAME|JSON",
+        help="state the hardware instead of measuring it: a preset (rtx2080ti, rtx3060, "
+        "rtx3090, rtx4070, rtx4090, h200) or a JSON spec; block times come from FLOPs",
+    )
+    pf.add_argument(
+        "--batch",
+        type=int,
+        help="sequences per optimizer step (default: train.micro_batch x train.grad_accum)",
+    )
+    pf.add_argument("--top", type=int, default=8, help="candidates to show (default 8)")
+    pf.add_argument("--refresh", action="store_true", help="re-measure instead of the cache")
+
 
     pr = sub.add_parser("prepare", help="tokenize text files into token shards for training")
     pr.add_argument("inputs", nargs="+", help="text files or directories")
@@ -98,12 +129,27 @@ def cmd_train(args) -> int:
         if args.max_steps < 1:
             raise ConfigError("--max-steps must be >= 1")
         cfg.train.max_steps = args.max_steps
+    plan = None
+    if args.plan:
+        from profiler.planner import Plan
+
+        plan = Plan.load(Path(args.plan))
+        cfg = plan.apply(cfg)
+    elif not args.resident:
+        print(
+            "atom: no --plan: using the config's swap settings "
+            f"(layers_per_unit {cfg.swap.layers_per_unit}, prefetch {cfg.swap.prefetch}, "
+            f"checkpoint {cfg.swap.checkpoint}); run `atom profile` to choose them for "
+            "this machine",
+            flush=True,
+        )
     trainer = Trainer(
         cfg,
         Path(args.out),
         resident=args.resident,
         resume=Path(args.resume) if args.resume else None,
         progress=not args.no_progress and sys.stderr.isatty(),
+        prediction=plan.prediction if plan else None,
     )
     mode = (
         "resident"
@@ -133,7 +179,52 @@ def cmd_train(args) -> int:
             f"val loss {summary.val_loss:.4f}; {summary.tokens_per_s:,.0f} tokens/s; "
             f"device peak {summary.device_peak_bytes / 2**20:.1f} MiB"
         )
+    if plan is not None and summary.step_time_s is not None:
+        pred = plan.prediction
+        print(
+            f"atom: plan predicted {pred['step_s']:.3f} s/step and "
+            f"{pred['peak_device_bytes'] / 2**20:.1f} MiB device peak; measured "
+            f"{summary.step_time_s:.3f} s/step ({summary.step_time_s / pred['step_s']:.2f}x) and "
+            f"{summary.device_peak_bytes / 2**20:.1f} MiB "
+            f"({summary.device_peak_bytes / max(pred['peak_device_bytes'], 1):.2f}x)"
+        )
     print(f"atom: checkpoint {summary.checkpoint}; metrics {Path(args.out) / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from profiler.hardware import parse_bytes
+    from profiler.planner import Infeasible, format_table
+    from profiler.profile import run_profile
+
+    cfg = load_config(args.config, args.overrides)
+    gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+    host_mem = parse_bytes(args.host_mem) if args.host_mem else None
+    try:
+        plan, ranked, hw = run_profile(
+            cfg, args.batch, gpu_mem, host_mem, args.hardware, args.refresh,
+            progress=sys.stderr.isatty(),
+        )
+    except Infeasible as err:
+        print(f"atom: error: {err}", file=sys.stderr)
+        return 2
+    source = "measured" if hw.measured else "stated"
+    print(
+        f"atom: {hw.name} ({source}): device budget {hw.device_mem / 2**30:.1f} GiB, host "
+        f"{hw.host_mem / 2**30:.1f} GiB, H2D {hw.h2d_bps / 1e9:.1f} GB/s; "
+        f"{len(ranked)} plans fit; batch {plan.target_batch} x {cfg.model.seq_len} tokens"
+    )
+    print(format_table(ranked, args.top))
+    best = plan.prediction
+    print(
+        f"atom: chose #1: {plan.swap['layers_per_unit']} layer(s)/unit, prefetch "
+        f"{plan.swap['prefetch']}, micro-batch {plan.micro_batch} x {plan.grad_accum}, "
+        f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}: "
+        f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
+        f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"
+    )
+    plan.save(Path(args.out))
+    print(f"atom: wrote {args.out}; train with: atom train --plan {args.out} ...")
     return 0
 
 
@@ -170,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate}
+    handlers = {
+        "train": cmd_train,
+        "prepare": cmd_prepare,
+        "generate": cmd_generate,
+        "profile": cmd_profile,
+    }
     try:
         return handlers[args.command](args)
     except USER_ERRORS as err:

@@ -108,6 +108,7 @@ class RunSummary:
     last_loss: float | None = None
     val_loss: float | None = None
     tokens_per_s: float | None = None
+    step_time_s: float | None = None  # median of steady-state steps
     device_peak_bytes: int = 0
     checkpoint: Path | None = None
     history: list[dict] = field(default_factory=list)
@@ -131,8 +132,10 @@ class Trainer:
         resident: bool = False,
         resume: Path | None = None,
         progress: bool = True,
+        prediction: dict | None = None,
     ):
         self.cfg = cfg
+        self.prediction = prediction  # from a plan: step_s and peak_device_bytes
         self.out = Path(out_dir)
         self.progress = progress
         self.resident = resident
@@ -262,6 +265,9 @@ class Trainer:
                     }
                     if result.grad_norm is not None:
                         record["grad_norm"] = result.grad_norm
+                    if self.prediction:
+                        record["predicted_step_s"] = self.prediction["step_s"]
+                        record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
                     if result.skipped:
                         record["skipped"] = True
                     done = step + 1
@@ -307,6 +313,8 @@ class Trainer:
         # skip the first step's rate: it pays one-off allocation and warm-up
         steady = rates[1:] or rates
         summary.tokens_per_s = sum(steady) / len(steady) if steady else None
+        times = sorted(r["step_time_s"] for r in summary.history[1:] or summary.history)
+        summary.step_time_s = times[len(times) // 2] if times else None
         summary.device_peak_bytes = self.engine.device_peak_bytes()
         self.engine.close()
         return summary

@@ -1,0 +1,115 @@
+"""Model analysis without allocating: parameters, bytes and activation memory per unit.
+
+The model is built on the meta device, so a 7B model costs nothing to analyse. Activation
+bytes are analytic: what autograd saves for one block per token, derived from the ops in
+atom/model (and checked against a measured block in tests/test_profiler.py):
+
+  GPT block    7d + 2f + h + 4 elements per token
+               (LN stats 2+2, LN outputs 2d, fused qkv 3d, attention out d, the residual
+               sum d, MLP in/out 2f, attention log-sum-exp h)
+  LLaMA block  8d + 2kv + h + 4f + 2 elements per token
+               (RMSNorm normed + scaled 2x2d, residual d, rotated q d, k and v 2kv,
+               attention out + its contiguous copy 2d, SwiGLU 4f, lse h, rstd 2)
+
+where d = d_model, f = MLP width, h = heads, kv = kv_heads * head_dim. Small fp32 stats are
+counted in the compute dtype; the error is well under the 10% the memory model promises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atom.config import Config, ModelConfig
+from atom.model import build_model
+from atom.swap.units import partition
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    index: int
+    kind: str  # embed | blocks | head
+    n_blocks: int
+    n_owned: int  # parameters whose master/optimizer state this unit holds
+    n_total: int  # parameters that cross the bus (owned + tied aliases)
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def block_activation_elements_per_token(m: ModelConfig) -> int:
+    d, f, h = m.d_model, m.ffn_dim, m.n_head
+    if m.arch == "gpt":
+        return 7 * d + 2 * f + h + 4
+    kv = m.kv_heads * m.head_dim
+    return 8 * d + 2 * kv + h + 4 * f + 2
+
+
+def head_activation_bytes(m: ModelConfig, tokens: int, dt: int) -> int:
+    """The head's saved tensors: its input, norm output(s) and the fp32 log-softmax over the
+    vocabulary (B x T x V x 4: often the largest single buffer), plus int64 targets."""
+    norm_elems = 2 * m.d_model + 2 if m.arch == "gpt" else 3 * m.d_model + 1
+    return tokens * (norm_elems * dt + 4 * m.vocab_size + 8)
+
+
+def head_workspace_bytes(m: ModelConfig, tokens: int, dt: int) -> int:
+    """Transients of the head's backward that autograd does not save: the fp32 gradient of
+    the log-softmax and of the logits, and the logits themselves in the compute dtype."""
+    return tokens * m.vocab_size * (4 + 4 + dt)
+
+
+@dataclass
+class ModelAnalysis:
+    cfg: Config
+    units: list[UnitInfo]
+    n_params: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> ModelAnalysis:
+        model = build_model(cfg.model, device="meta")
+        specs = partition(model, cfg.swap.layers_per_unit)
+        units = [UnitInfo(s.index, s.kind, len(s.module.parts) if s.kind == "blocks" else 0,
+                          s.n_owned, s.n_total) for s in specs]
+        return cls(cfg, units, sum(u.n_owned for u in units))
+
+    @property
+    def largest_unit(self) -> int:
+        return max(u.n_total for u in self.units)
+
+    def unit_bytes(self, dtype: torch.dtype) -> list[int]:
+        return [u.n_total * dtype_bytes(dtype) for u in self.units]
+
+    def block_params(self) -> int:
+        blocks = [u for u in self.units if u.kind == "blocks"]
+        return blocks[0].n_owned // blocks[0].n_blocks
+
+    def block_activation_bytes(self, micro_batch: int, dtype: torch.dtype) -> int:
+        tokens = micro_batch * self.cfg.model.seq_len
+        return tokens * block_activation_elements_per_token(self.cfg.model) * dtype_bytes(dtype)
+
+    def hidden_bytes(self, micro_batch: int, dtype: torch.dtype) -> int:
+        """One (B, T, d) activation: a unit input / checkpoint."""
+        return micro_batch * self.cfg.model.seq_len * self.cfg.model.d_model * dtype_bytes(dtype)
+
+    def head_activation_bytes(self, micro_batch: int, dtype: torch.dtype) -> int:
+        return head_activation_bytes(self.cfg.model, micro_batch * self.cfg.model.seq_len,
+                                     dtype_bytes(dtype))
+
+    def head_workspace_bytes(self, micro_batch: int, dtype: torch.dtype) -> int:
+        return head_workspace_bytes(self.cfg.model, micro_batch * self.cfg.model.seq_len,
+                                    dtype_bytes(dtype))
+
+    def host_bytes(self, dtype: torch.dtype) -> int:
+        """Host RAM for model state: fp32 master, fp32 grads, two fp32 Adam moments, and the
+        compute-dtype copy that crosses the bus (shared with master in fp32)."""
+        copy = 0 if dtype == torch.float32 else dtype_bytes(dtype)
+        return self.n_params * 16 + sum(u.n_total for u in self.units) * copy
+
+    def flops_per_token(self) -> dict[str, float]:
+        """Forward FLOPs per token: 2 per parameter-multiply, plus causal attention."""
+        m = self.cfg.model
+        block = 2 * self.block_params() + 2 * m.seq_len * m.d_model  # QK^T and AV, causal half
+        head = 2 * m.d_model * m.vocab_size
+        return {"block": float(block), "head": float(head), "embed": 0.0}

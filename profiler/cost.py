@@ -1,0 +1,153 @@
+"""Memory and time models of one swapped training step for a candidate plan.
+
+Peak device bytes (what the engine's ledger counts, plus CUDA-only workspace):
+    slots (prefetch + 1) x largest unit
+  + checkpointed unit inputs (N - 2 of them, unless offloaded to host)
+  + the larger of: one unit's working activations during its recompute + backward, or
+    the head's (whose fp32 log-softmax over the vocabulary is often the biggest buffer)
+  + one unit's parameter gradient on its way to the host
+  + on CUDA: the head backward's transients (logits and their fp32 gradients) and
+    allocator slack.
+Without checkpointing every block's activations are kept through the forward instead.
+
+Step time: the unit pipeline per micro-batch, each stage max(compute, transfer) at the
+chosen prefetch depth, times grad_accum, plus the host optimizer tail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from profiler.analysis import ModelAnalysis, dtype_bytes
+from profiler.hardware import HardwareSpec
+from profiler.timing import PieceTimes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layers_per_unit: int
+    prefetch: int
+    micro_batch: int
+    grad_accum: int
+    checkpoint: bool
+    offload_activations: bool
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    tokens_per_s: float
+    peak_device_bytes: int
+    host_bytes: int
+    bottleneck: str  # compute | bus | host
+    detail: dict
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
+    dt = dtype_bytes(dtype)
+    n_units = len(a.units)
+    slots = (c.prefetch + 1) * a.largest_unit * dt
+    hidden = a.hidden_bytes(c.micro_batch, dtype)
+    block = a.block_activation_bytes(c.micro_batch, dtype)
+    head = a.head_activation_bytes(c.micro_batch, dtype)
+    lpu = max(u.n_blocks for u in a.units)
+    largest_block_unit = max(u.n_total for u in a.units if u.kind == "blocks") * dt
+    head_unit = a.units[-1].n_total * dt
+    tokens = c.micro_batch * a.cfg.model.seq_len
+    if c.checkpoint:
+        kept = 0 if c.offload_activations else (n_units - 2) * hidden
+        # recompute of a unit: all its blocks' saved tensors, and the inputs of all but the
+        # first (that one is the checkpoint, already counted, unless it was offloaded)
+        inner_inputs = lpu if c.offload_activations else lpu - 1
+        working = max(head + head_unit, lpu * block + inner_inputs * hidden + largest_block_unit)
+        peak = slots + kept + working
+    else:
+        n_layer = a.cfg.model.n_layer
+        embed_saved = tokens * 8 + a.cfg.model.seq_len * 8  # token ids, positions (int64)
+        peak = slots + embed_saved + n_layer * (block + hidden) + head + head_unit
+    if cuda:
+        peak += a.head_workspace_bytes(c.micro_batch, dtype) + 2 * hidden
+        peak = int(peak * 1.05)  # caching-allocator rounding and fragmentation
+    return int(peak)
+
+
+def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
+    total = a.host_bytes(dtype)
+    if cuda:
+        total += 3 * a.largest_unit * dtype_bytes(dtype)  # pinned D2H staging buffers
+    if c.offload_activations:
+        total += (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype)
+    return total
+
+
+def _pipeline(compute: list[float], transfer: list[float], prefetch: int) -> tuple[float, float]:
+    """Time to run stages whose unit copies overlap earlier stages' compute.
+
+    prefetch 0: copy then compute, serially. prefetch 1: each copy overlaps the previous
+    unit's compute only. Deeper: copies run ahead and absorb variation, so the slower of
+    total compute and total transfer wins. Returns (time, time the bus was the limit)."""
+    if not compute:
+        return 0.0, 0.0
+    if prefetch == 0:
+        return sum(compute) + sum(transfer), sum(transfer)
+    first, rest = transfer[0], transfer[1:] + [0.0]
+    if prefetch == 1:
+        stages = [max(c, t) for c, t in zip(compute, rest, strict=True)]
+        bus = sum(max(0.0, t - c) for c, t in zip(compute, rest, strict=True))
+        return first + sum(stages), first + bus
+    total = max(sum(compute), sum(rest))
+    return first + total, first + max(0.0, sum(rest) - sum(compute))
+
+
+def predict(a: ModelAnalysis, c: Candidate, hw: HardwareSpec, times: PieceTimes,
+            dtype: torch.dtype) -> Prediction:
+    cuda = hw.device == "cuda"
+    dt = dtype_bytes(dtype)
+    units = a.units
+    body = units[:-1]  # embed + block units; the head runs forward and backward at once
+    h2d = [u.n_total * dt / hw.h2d_bps for u in units]
+    fwd_c = [times.embed / 3 if u.kind == "embed" else u.n_blocks * times.block_fwd
+             for u in body]
+    fwd_c_all = fwd_c + [times.head]
+    fwd, fwd_bus = _pipeline(fwd_c_all, [h2d[u.index] for u in units], c.prefetch)
+    # backward over body units in reverse; the last `prefetch` of the forward stay resident
+    recompute = times.block_fwd if c.checkpoint else 0.0
+    bwd_c = [times.embed * 2 / 3 if u.kind == "embed"
+             else u.n_blocks * (recompute + times.block_bwd) for u in reversed(body)]
+    dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
+    kept = min(c.prefetch, len(body))
+    bwd_x = [0.0 if i < kept else u.n_total * dt / dup for i, u in enumerate(reversed(body))]
+    d2h = sum(u.n_total * dt / hw.d2h_bps for u in units) if cuda else 0.0
+    bwd, bwd_bus = _pipeline(bwd_c, bwd_x, c.prefetch)
+    bwd = max(bwd, d2h)
+    offload = 0.0
+    if c.offload_activations and cuda:
+        offload = 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
+    micro = fwd + bwd + offload
+    n = a.n_params
+    accum = (c.grad_accum - 1) * n * hw.accum_s_per_param
+    optimizer = n * hw.adam_s_per_param
+    if hw.host_shares_compute:
+        tail = optimizer + accum  # the CPU backend's host work takes the same cores
+    else:
+        # gradient clipping (the default) defers updates until the last unit lands; they
+        # then run in forward order under the next step's forward; unit 0 gates it
+        first_unit = units[0].n_owned * hw.adam_s_per_param
+        tail = max(first_unit, optimizer - fwd) + max(0.0, accum - c.grad_accum * bwd)
+    step = c.grad_accum * micro + tail
+    compute_s = c.grad_accum * (sum(fwd_c_all) + sum(bwd_c))
+    bus_s = c.grad_accum * (fwd_bus + bwd_bus)
+    bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
+    tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
+    return Prediction(
+        step_s=step, tokens_per_s=tokens / step,
+        peak_device_bytes=peak_device_bytes(a, c, dtype, cuda),
+        host_bytes=host_bytes(a, c, dtype, cuda), bottleneck=bottleneck,
+        detail={"forward_s": fwd, "backward_s": bwd, "optimizer_tail_s": tail,
+                "compute_s": compute_s, "bus_stall_s": bus_s,
+                "h2d_bytes_per_micro": sum(u.n_total for u in units) * dt * 2})

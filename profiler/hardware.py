@@ -1,0 +1,191 @@
+"""The machine: memory, host<->device bandwidth, host optimizer speed.
+
+Either measured here (CPU backend or CUDA), or stated: a preset name or a JSON file for a
+machine you do not have at hand (`atom profile --hardware rtx4090 --host-mem 128GiB`), in
+which case block times are estimated from FLOPs and the stated throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import psutil
+import torch
+
+from atom.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+
+
+@dataclass
+class HardwareSpec:
+    name: str
+    device: str  # cuda | cpu
+    device_mem: int  # bytes the plan may use on the device
+    host_mem: int  # bytes of host RAM available for model state
+    h2d_bps: float  # host->device, pinned, large transfers
+    d2h_bps: float
+    duplex_h2d_bps: float  # H2D while D2H also runs (shared bus)
+    matmul_flops: float  # effective FLOP/s of the compute dtype (stated specs only)
+    adam_s_per_param: float  # host optimizer step, seconds per parameter
+    accum_s_per_param: float  # host gradient accumulation (one add), seconds per parameter
+    host_shares_compute: bool  # CPU backend: host work competes with compute for cores
+    measured: bool = False
+    dtype: str = "auto"  # compute dtype: auto = bf16 on CUDA, fp32 on CPU; fp16 for pre-Ampere
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HardwareSpec:
+        names = {f.name for f in fields(cls)}
+        missing = names - set(data) - {"measured", "dtype"}
+        if missing:
+            raise ConfigError(f"hardware spec is missing {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
+    return {"name": name, "device": "cuda", "device_mem": int(mem_gib * GiB), "host_mem": 64 * GiB,
+            "h2d_bps": pcie_gbps * 1e9, "d2h_bps": pcie_gbps * 1e9,
+            "duplex_h2d_bps": duplex_gbps * 1e9, "matmul_flops": tflops * 1e12,
+            # torch fused AdamW on a 8-16 core desktop CPU (FIELD_NOTES: 58 ms / 100M on 2 cores)
+            "adam_s_per_param": 1.5e-10, "accum_s_per_param": 0.3e-10,
+            "host_shares_compute": False}
+
+
+# Effective (not peak) bf16/fp16 matmul throughput, ~45-55% of the dense tensor-core spec;
+# PCIe figures from FIELD_NOTES.md (PCIe3 ~12, PCIe4 ~25 GB/s; both directions at once less).
+PRESETS: dict[str, dict] = {
+    "rtx2080ti": {**_gpu("RTX 2080 Ti (11 GB, PCIe3, fp16)", 11, 12, 30, 9), "dtype": "fp16"},
+    "rtx3060": _gpu("RTX 3060 (12 GB, PCIe4)", 12, 24, 12, 14),
+    "rtx3090": _gpu("RTX 3090 (24 GB, PCIe4)", 24, 24, 35, 14),
+    "rtx4070": _gpu("RTX 4070 (12 GB, PCIe4)", 12, 25, 28, 14),
+    "rtx4090": _gpu("RTX 4090 (24 GB, PCIe4)", 24, 25, 80, 14),
+    "h200": _gpu("H200 (141 GB, PCIe5)", 139, 50, 400, 35),
+}
+
+
+def parse_bytes(text: str) -> int:
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    low = str(text).strip().lower().replace(" ", "")
+    try:
+        for suffix, mult in units.items():
+            if low.endswith(suffix):
+                return int(float(low[: -len(suffix)]) * mult)
+        return int(float(low))
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size; write e.g. 24GiB or 12GB") from None
+
+
+def stated(spec: str, device_mem: int | None = None, host_mem: int | None = None) -> HardwareSpec:
+    """A preset name or a JSON file, with optional memory overrides."""
+    if spec in PRESETS:
+        data = dict(PRESETS[spec])
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise ConfigError(f"unknown hardware {spec!r}: give a JSON file or one of "
+                              f"{', '.join(PRESETS)}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON ({err.msg}); fix the file") from None
+    if device_mem is not None:
+        data["device_mem"] = device_mem
+    if host_mem is not None:
+        data["host_mem"] = host_mem
+    return HardwareSpec.from_dict(data)
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_host_optimizer(numel: int = 4_000_000) -> tuple[float, float]:
+    """Seconds per parameter of torch's fused AdamW step and of one gradient add on the host."""
+    p = torch.zeros(numel)
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()  # state allocation is not per-step cost
+    adam = _median_time(opt.step, 5) / numel
+    acc = torch.zeros(numel)
+    add = _median_time(lambda: acc.add_(p.grad), 5) / numel
+    return adam, add
+
+
+def _threaded_copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
+    """What the CPU backend's copy thread achieves (it is a thread, so measure one)."""
+    result: list[float] = []
+
+    def run() -> None:
+        dst.copy_(src)
+        result.append(_median_time(lambda: dst.copy_(src), reps))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return src.nbytes / result[0]
+
+
+def measure(device: torch.device, transfer_numel: int, dtype: torch.dtype,
+            device_mem: int | None = None, host_mem: int | None = None) -> HardwareSpec:
+    """Measure this machine at the transfer size the plan would use."""
+    vm = psutil.virtual_memory()
+    host = host_mem if host_mem is not None else vm.available
+    adam, add = measure_host_optimizer()
+    numel = max(transfer_numel, 1 << 20)
+    if device.type == "cpu":
+        src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
+        bps = _threaded_copy_bps(dst, src)
+        # the "device" is host memory: by default let the plan use what model state leaves
+        return HardwareSpec(
+            name=f"CPU ({psutil.cpu_count()} cores, {vm.total / GiB:.0f} GiB)", device="cpu",
+            device_mem=device_mem if device_mem is not None else host // 2, host_mem=host,
+            h2d_bps=bps, d2h_bps=float("inf"), duplex_h2d_bps=bps, matmul_flops=0.0,
+            adam_s_per_param=adam, accum_s_per_param=add, host_shares_compute=True,
+            measured=True)
+    free, total = torch.cuda.mem_get_info(device)
+    pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
+    back = torch.empty(numel, dtype=dtype, pin_memory=True)
+    dev = torch.empty(numel, dtype=dtype, device=device)
+    dev2 = torch.empty(numel, dtype=dtype, device=device)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        return _median_time(lambda: (fn(), torch.cuda.synchronize(device)), 5)
+
+    h2d = pinned.nbytes / timed(lambda: dev.copy_(pinned, non_blocking=True))
+    d2h = pinned.nbytes / timed(lambda: back.copy_(dev2, non_blocking=True))
+    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            dev.copy_(pinned, non_blocking=True)
+        with torch.cuda.stream(s2):
+            back.copy_(dev2, non_blocking=True)
+
+    duplex = pinned.nbytes / timed(both)
+    del pinned, back, dev, dev2
+    margin = max(GiB // 2, int(0.05 * total))  # CUDA context, allocator slack, fragmentation
+    return HardwareSpec(
+        name=torch.cuda.get_device_name(device), device="cuda",
+        device_mem=device_mem if device_mem is not None else max(0, free - margin),
+        host_mem=host, h2d_bps=h2d, d2h_bps=d2h, duplex_h2d_bps=duplex, matmul_flops=0.0,
+        adam_s_per_param=adam, accum_s_per_param=add, host_shares_compute=False,
+        measured=True)

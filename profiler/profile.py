@@ -1,0 +1,73 @@
+"""`atom profile`: analyse the model, measure (or take as stated) the machine, search the
+plans, and return the ranked plans. The CLI prints the table and writes plan.json."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm import tqdm
+
+from atom.config import Config, ConfigError, replace
+from profiler import hardware, timing
+from profiler.analysis import ModelAnalysis
+from profiler.planner import Plan, Scored, choose, make_plan, search
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _stated_dtype(hw: hardware.HardwareSpec, cfg: Config) -> torch.dtype:
+    if cfg.train.dtype != "auto":
+        return DTYPES[cfg.train.dtype]
+    if hw.dtype != "auto":
+        return DTYPES[hw.dtype]
+    return torch.bfloat16 if hw.device == "cuda" else torch.float32
+
+
+def run_profile(cfg: Config, target_batch: int | None = None, gpu_mem: int | None = None,
+                host_mem: int | None = None, stated: str | None = None, refresh: bool = False,
+                progress: bool = True) -> tuple[Plan, list[Scored], hardware.HardwareSpec]:
+    target = target_batch or cfg.train.micro_batch * cfg.train.grad_accum
+    if target < 1:
+        raise ConfigError("--batch must be >= 1")
+    if stated is not None:
+        hw = hardware.stated(stated, gpu_mem, host_mem)
+        dtype = _stated_dtype(hw, cfg)
+        if hw.matmul_flops <= 0:
+            raise ConfigError("a stated hardware spec needs matmul_flops > 0 to estimate "
+                              "compute time")
+
+        def times_for(mb: int, a: ModelAnalysis):
+            return timing.estimate_pieces(a, mb, hw)
+    else:
+        from atom.train import resolve_device
+
+        device, dtype = resolve_device(cfg)
+        cache = timing.TimingCache(timing.cache_key(cfg, device, dtype), refresh)
+        largest = ModelAnalysis.of(replace(cfg, swap={"layers_per_unit": 1,
+                                                      "prefetch": 0})).largest_unit
+        if cache.data.get("hardware") and not refresh:
+            hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
+            if gpu_mem is not None:
+                hw.device_mem = gpu_mem
+            if host_mem is not None:
+                hw.host_mem = host_mem
+        else:
+            log.info("measuring host<->device bandwidth and host optimizer speed")
+            hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem)
+            cache.data["hardware"] = hw.to_dict()
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= target]
+        missing = [b for b in sizes if target % b == 0 and cache.pieces(b) is None]
+        for mb in tqdm(missing, desc="timing one block", unit="batch size",
+                       disable=not progress or not missing):
+            cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
+        cache.save()
+
+        def times_for(mb: int, a: ModelAnalysis):
+            return cache.pieces(mb)
+
+    scored = search(cfg, hw, dtype, target, times_for)
+    ranked = choose(scored, hw, cfg, dtype)
+    return make_plan(cfg, hw, dtype, target, ranked), ranked, hw

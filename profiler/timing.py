@@ -1,0 +1,129 @@
+"""Per-block compute time at candidate micro-batch sizes: measured by running one real
+block (and the head and embedding) with random weights on the device, or estimated from
+FLOPs for stated hardware. Measurements are cached per machine and model as JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from atom.config import Config, ModelConfig
+from atom.model import build_model, lm_loss, materialize
+from profiler.analysis import ModelAnalysis
+from profiler.hardware import HardwareSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PieceTimes:
+    """Seconds for one micro-batch of size B."""
+
+    block_fwd: float  # one block forward (no grad): also the recompute cost
+    block_bwd: float  # one block backward, given its saved activations
+    head: float  # head forward + loss + backward
+    embed: float  # embedding forward + backward
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(fn, device, reps: int) -> float:
+    fn()  # warm-up: allocator, kernels, caches
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_pieces(model_cfg: ModelConfig, micro_batch: int, device: torch.device,
+                   dtype: torch.dtype, reps: int = 3) -> PieceTimes:
+    one = ModelConfig(**{**asdict(model_cfg), "n_layer": 1})
+    model = materialize(build_model(one), seed=0, device=device, dtype=dtype)
+    B, T, d = micro_batch, one.seq_len, one.d_model
+    x = torch.randn(B, T, d, device=device, dtype=dtype, requires_grad=True)
+    tokens = torch.randint(0, one.vocab_size, (B, T), device=device)
+    block, head, embed = model.blocks[0], model.head, model.embed
+
+    def fwd() -> None:
+        with torch.no_grad():
+            block(x)
+
+    def fwd_bwd() -> None:
+        block(x).sum().backward()
+
+    def head_step() -> None:
+        lm_loss(head(x), tokens).backward()
+
+    def embed_step() -> None:
+        embed(tokens).sum().backward()
+
+    t_fwd = _median(fwd, device, reps)
+    t_both = _median(fwd_bwd, device, reps)
+    return PieceTimes(block_fwd=t_fwd, block_bwd=max(t_both - t_fwd, 0.0),
+                      head=_median(head_step, device, reps), embed=_median(embed_step, device, reps))
+
+
+def estimate_pieces(analysis: ModelAnalysis, micro_batch: int, hw: HardwareSpec) -> PieceTimes:
+    """From FLOPs and the stated throughput: backward costs two forwards."""
+    tokens = micro_batch * analysis.cfg.model.seq_len
+    flops = analysis.flops_per_token()
+    fwd = flops["block"] * tokens / hw.matmul_flops
+    head = 3 * flops["head"] * tokens / hw.matmul_flops
+    return PieceTimes(block_fwd=fwd, block_bwd=2 * fwd, head=head, embed=0.0)
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("ATOM_CACHE", Path.home() / ".cache" / "atom"))
+    return root / "profile"
+
+
+def cache_key(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
+    model = {k: v for k, v in asdict(cfg.model).items() if k != "n_layer"}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    machine = [platform.node(), platform.processor(), platform.machine(), os.cpu_count(), gpu,
+               torch.__version__]
+    blob = json.dumps([model, machine, str(dtype)], sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+class TimingCache:
+    """{micro_batch: PieceTimes} and the measured hardware, in one JSON file per key."""
+
+    def __init__(self, key: str, refresh: bool = False):
+        self.path = _cache_dir() / f"{key}.json"
+        self.data: dict = {"pieces": {}, "hardware": None}
+        if self.path.exists() and not refresh:
+            try:
+                self.data = json.loads(self.path.read_text())
+            except (OSError, json.JSONDecodeError):
+                log.warning("ignoring unreadable profile cache %s", self.path)
+
+    def pieces(self, micro_batch: int) -> PieceTimes | None:
+        raw = self.data["pieces"].get(str(micro_batch))
+        return PieceTimes(**raw) if raw else None
+
+    def put_pieces(self, micro_batch: int, times: PieceTimes) -> None:
+        self.data["pieces"][str(micro_batch)] = asdict(times)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)

@@ -1,0 +1,171 @@
+"""The profiler: analysis, memory model, planner, plan.json, stated-hardware profiling.
+
+    pytest tests/test_profiler.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+from atom.cli import main
+from atom.config import CONFIG_DIR, ConfigError, load_config, replace
+from atom.model import build_model, materialize
+from atom.swap.backend import CpuBackend
+from atom.swap.engine import SwapEngine
+from profiler.analysis import ModelAnalysis, block_activation_elements_per_token
+from profiler.cost import Candidate, peak_device_bytes
+from profiler.hardware import GiB
+from profiler.planner import Plan
+from profiler.profile import run_profile
+from tests.conftest import tiny_config
+from tests.test_swap_equivalence import batches_for
+
+
+def measured_block_bytes(model_cfg, micro_batch):
+    """What autograd saves for one block, counted like the engine's pack hook."""
+    model = materialize(build_model(model_cfg), seed=0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    x = torch.randn(micro_batch, model_cfg.seq_len, model_cfg.d_model, requires_grad=True)
+    seen = {x.untyped_storage().data_ptr()} | params
+    total = [0]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.blocks[0](x)
+    return total[0]
+
+
+@pytest.mark.parametrize("arch,kv", [("gpt", None), ("llama", 2), ("llama", None)])
+def test_analytic_activations_match_a_measured_block(arch, kv):
+    cfg = tiny_config(model={"arch": arch, "n_kv_head": kv, "d_model": 128, "n_head": 8,
+                             "seq_len": 64})
+    a = ModelAnalysis.of(cfg)
+    measured = measured_block_bytes(cfg.model, 4)
+    predicted = a.block_activation_bytes(4, torch.float32)
+    assert abs(predicted - measured) / measured < 0.03, (predicted, measured)
+    assert block_activation_elements_per_token(cfg.model) > 10 * cfg.model.d_model // 2
+
+
+CANDIDATES = [
+    # layers_per_unit, prefetch, micro_batch, checkpoint, offload, arch
+    (1, 1, 4, True, False, "gpt"),
+    (2, 2, 2, True, False, "gpt"),
+    (1, 0, 4, False, False, "gpt"),
+    (2, 1, 4, False, False, "llama"),
+    (1, 2, 8, True, True, "llama"),
+    (3, 1, 4, True, False, "llama"),
+]
+
+
+@pytest.mark.parametrize("lpu,prefetch,mb,ckpt,offload,arch", CANDIDATES)
+def test_memory_model_matches_the_engine_accounting(lpu, prefetch, mb, ckpt, offload, arch):
+    cfg = tiny_config(
+        model={"arch": arch, "n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
+        train={"micro_batch": mb},
+        swap={"layers_per_unit": lpu, "prefetch": prefetch, "checkpoint": ckpt,
+              "offload_activations": offload})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        measured = engine.ledger.peak
+    finally:
+        engine.close()
+    cand = Candidate(lpu, prefetch, mb, 1, ckpt, offload)
+    predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
+    assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
+
+
+def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
+    cfg = tiny_config(model={"n_layer": 4}, train={"micro_batch": 4, "grad_accum": 2})
+    plan, ranked, hw = run_profile(cfg, stated="rtx3060", gpu_mem=64 * 2**20,
+                                   host_mem=GiB, progress=False)
+    assert plan.prediction["peak_device_bytes"] <= 64 * 2**20
+    assert all(r.fits_device and r.fits_host for r in ranked)
+    assert ranked[0].prediction.step_s == min(r.prediction.step_s for r in ranked)
+    assert plan.micro_batch * plan.grad_accum == 8
+    trained = plan.apply(cfg)
+    assert trained.swap.layers_per_unit == plan.swap["layers_per_unit"]
+    assert trained.train.micro_batch == plan.micro_batch
+
+
+def test_a_tight_budget_forces_checkpointing_and_small_batches():
+    cfg = tiny_config(model={"n_layer": 4, "d_model": 128, "seq_len": 128},
+                      train={"micro_batch": 8, "grad_accum": 1})
+    loose, _, _ = run_profile(cfg, stated="rtx4090", gpu_mem=GiB, host_mem=GiB, progress=False)
+    tight_budget = 8 * 2**20
+    tight, ranked, _ = run_profile(cfg, stated="rtx4090", gpu_mem=tight_budget, host_mem=GiB,
+                                   progress=False)
+    assert loose.prediction["peak_device_bytes"] > tight_budget  # the budget bites
+    assert tight.prediction["peak_device_bytes"] <= tight_budget
+    assert tight.swap["checkpoint"] or tight.micro_batch < loose.micro_batch
+
+
+def test_infeasible_names_the_limit_and_the_shortfall():
+    cfg = load_config("llama-7b")
+    with pytest.raises(Exception) as err:
+        run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False)
+    msg = str(err.value)
+    assert "host RAM" in msg and "short by" in msg and "32.0 GiB" in msg
+    with pytest.raises(Exception) as err:
+        run_profile(cfg, stated="rtx4090", gpu_mem=GiB // 2, host_mem=256 * GiB, progress=False)
+    msg = str(err.value)
+    assert "device memory" in msg and "budget is 512.0 MiB" in msg and "smaller model" in msg
+
+
+def test_plan_round_trips(tmp_path):
+    cfg = tiny_config()
+    plan, _, _ = run_profile(cfg, stated="rtx3090", progress=False)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    with pytest.raises(ConfigError, match="different model"):
+        again.apply(replace(cfg, model={"n_layer": 5}))
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Plan.load(path)
+    with pytest.raises(ConfigError, match="not found"):
+        Plan.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_profiles_on_meta_in_seconds(path):
+    """llama-7b on a stated 24 GiB card and 128 GiB host: no model memory allocated."""
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    t0 = time.perf_counter()
+    plan, ranked, _ = run_profile(load_config(path), stated="rtx4090", gpu_mem=24 * GiB,
+                                  host_mem=128 * GiB, progress=False)
+    assert time.perf_counter() - t0 < 20
+    assert psutil.Process(os.getpid()).memory_info().rss - rss < 300 * 2**20
+    assert plan.prediction["peak_device_bytes"] <= 24 * GiB
+    assert plan.prediction["host_bytes"] <= 128 * GiB
+
+
+def test_profile_and_train_with_the_plan_through_the_cli(tmp_path, text_dataset, capsys,
+                                                          monkeypatch):
+    monkeypatch.setenv("ATOM_CACHE", str(tmp_path / "cache"))
+    sets = ["--set", "model.n_layer=2", "--set", "model.seq_len=32",
+            "--set", f"train.data={text_dataset}"]
+    plan_path = tmp_path / "plan.json"
+    assert main(["profile", *sets, "--out", str(plan_path), "--gpu-mem", "256MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "| # | layers/unit" in out and "chose #1" in out
+    assert main(["train", *sets, "--plan", str(plan_path), "--max-steps", "3",
+                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "plan predicted" in out and "measured" in out
+    # a second profile reuses the cached measurements
+    assert (tmp_path / "cache" / "profile").is_dir()
+    assert main(["profile", *sets, "--out", str(plan_path), "--host-mem", "1MiB"]) == 2
+    assert "host RAM" in capsys.readouterr().err
