@@ -70,8 +70,16 @@ class ModelAnalysis:
     def of(cls, cfg: Config) -> ModelAnalysis:
         model = build_model(cfg.model, device="meta")
         specs = partition(model, cfg.swap.layers_per_unit)
-        units = [UnitInfo(s.index, s.kind, len(s.module.parts) if s.kind == "blocks" else 0,
-                          s.n_owned, s.n_total) for s in specs]
+        units = [
+            UnitInfo(
+                s.index,
+                s.kind,
+                len(s.module.parts) if s.kind == "blocks" else 0,
+                s.n_owned,
+                s.n_total,
+            )
+            for s in specs
+        ]
         return cls(cfg, units, sum(u.n_owned for u in units))
 
     @property
@@ -94,12 +102,14 @@ class ModelAnalysis:
         return micro_batch * self.cfg.model.seq_len * self.cfg.model.d_model * dtype_bytes(dtype)
 
     def head_activation_bytes(self, micro_batch: int, dtype: torch.dtype) -> int:
-        return head_activation_bytes(self.cfg.model, micro_batch * self.cfg.model.seq_len,
-                                     dtype_bytes(dtype))
+        return head_activation_bytes(
+            self.cfg.model, micro_batch * self.cfg.model.seq_len, dtype_bytes(dtype)
+        )
 
     def head_workspace_bytes(self, micro_batch: int, dtype: torch.dtype) -> int:
-        return head_workspace_bytes(self.cfg.model, micro_batch * self.cfg.model.seq_len,
-                                    dtype_bytes(dtype))
+        return head_workspace_bytes(
+            self.cfg.model, micro_batch * self.cfg.model.seq_len, dtype_bytes(dtype)
+        )
 
     def host_bytes(self, dtype: torch.dtype) -> int:
         """Host RAM for model state: fp32 master, fp32 grads, two fp32 Adam moments, and the

@@ -104,21 +104,23 @@ def _pipeline(compute: list[float], transfer: list[float], prefetch: int) -> tup
     return first + total, first + max(0.0, sum(rest) - sum(compute))
 
 
-def predict(a: ModelAnalysis, c: Candidate, hw: HardwareSpec, times: PieceTimes,
-            dtype: torch.dtype) -> Prediction:
+def predict(
+    a: ModelAnalysis, c: Candidate, hw: HardwareSpec, times: PieceTimes, dtype: torch.dtype
+) -> Prediction:
     cuda = hw.device == "cuda"
     dt = dtype_bytes(dtype)
     units = a.units
     body = units[:-1]  # embed + block units; the head runs forward and backward at once
     h2d = [u.n_total * dt / hw.h2d_bps for u in units]
-    fwd_c = [times.embed / 3 if u.kind == "embed" else u.n_blocks * times.block_fwd
-             for u in body]
+    fwd_c = [times.embed / 3 if u.kind == "embed" else u.n_blocks * times.block_fwd for u in body]
     fwd_c_all = fwd_c + [times.head]
     fwd, fwd_bus = _pipeline(fwd_c_all, [h2d[u.index] for u in units], c.prefetch)
     # backward over body units in reverse; the last `prefetch` of the forward stay resident
     recompute = times.block_fwd if c.checkpoint else 0.0
-    bwd_c = [times.embed * 2 / 3 if u.kind == "embed"
-             else u.n_blocks * (recompute + times.block_bwd) for u in reversed(body)]
+    bwd_c = [
+        times.embed * 2 / 3 if u.kind == "embed" else u.n_blocks * (recompute + times.block_bwd)
+        for u in reversed(body)
+    ]
     dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
     kept = min(c.prefetch, len(body))
     bwd_x = [0.0 if i < kept else u.n_total * dt / dup for i, u in enumerate(reversed(body))]
@@ -145,9 +147,17 @@ def predict(a: ModelAnalysis, c: Candidate, hw: HardwareSpec, times: PieceTimes,
     bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
     tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
     return Prediction(
-        step_s=step, tokens_per_s=tokens / step,
+        step_s=step,
+        tokens_per_s=tokens / step,
         peak_device_bytes=peak_device_bytes(a, c, dtype, cuda),
-        host_bytes=host_bytes(a, c, dtype, cuda), bottleneck=bottleneck,
-        detail={"forward_s": fwd, "backward_s": bwd, "optimizer_tail_s": tail,
-                "compute_s": compute_s, "bus_stall_s": bus_s,
-                "h2d_bytes_per_micro": sum(u.n_total for u in units) * dt * 2})
+        host_bytes=host_bytes(a, c, dtype, cuda),
+        bottleneck=bottleneck,
+        detail={
+            "forward_s": fwd,
+            "backward_s": bwd,
+            "optimizer_tail_s": tail,
+            "compute_s": compute_s,
+            "bus_stall_s": bus_s,
+            "h2d_bytes_per_micro": sum(u.n_total for u in units) * dt * 2,
+        },
+    )

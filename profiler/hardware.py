@@ -54,12 +54,20 @@ class HardwareSpec:
 
 
 def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
-    return {"name": name, "device": "cuda", "device_mem": int(mem_gib * GiB), "host_mem": 64 * GiB,
-            "h2d_bps": pcie_gbps * 1e9, "d2h_bps": pcie_gbps * 1e9,
-            "duplex_h2d_bps": duplex_gbps * 1e9, "matmul_flops": tflops * 1e12,
-            # torch fused AdamW on a 8-16 core desktop CPU (FIELD_NOTES: 58 ms / 100M on 2 cores)
-            "adam_s_per_param": 1.5e-10, "accum_s_per_param": 0.3e-10,
-            "host_shares_compute": False}
+    return {
+        "name": name,
+        "device": "cuda",
+        "device_mem": int(mem_gib * GiB),
+        "host_mem": 64 * GiB,
+        "h2d_bps": pcie_gbps * 1e9,
+        "d2h_bps": pcie_gbps * 1e9,
+        "duplex_h2d_bps": duplex_gbps * 1e9,
+        "matmul_flops": tflops * 1e12,
+        # torch fused AdamW on a 8-16 core desktop CPU (FIELD_NOTES: 58 ms / 100M on 2 cores)
+        "adam_s_per_param": 1.5e-10,
+        "accum_s_per_param": 0.3e-10,
+        "host_shares_compute": False,
+    }
 
 
 # Effective (not peak) bf16/fp16 matmul throughput, ~45-55% of the dense tensor-core spec;
@@ -75,8 +83,16 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_bytes(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+    }
     low = str(text).strip().lower().replace(" ", "")
     try:
         for suffix, mult in units.items():
@@ -94,8 +110,9 @@ def stated(spec: str, device_mem: int | None = None, host_mem: int | None = None
     else:
         path = Path(spec)
         if not path.exists():
-            raise ConfigError(f"unknown hardware {spec!r}: give a JSON file or one of "
-                              f"{', '.join(PRESETS)}")
+            raise ConfigError(
+                f"unknown hardware {spec!r}: give a JSON file or one of {', '.join(PRESETS)}"
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
@@ -142,8 +159,13 @@ def _threaded_copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> f
     return src.nbytes / result[0]
 
 
-def measure(device: torch.device, transfer_numel: int, dtype: torch.dtype,
-            device_mem: int | None = None, host_mem: int | None = None) -> HardwareSpec:
+def measure(
+    device: torch.device,
+    transfer_numel: int,
+    dtype: torch.dtype,
+    device_mem: int | None = None,
+    host_mem: int | None = None,
+) -> HardwareSpec:
     """Measure this machine at the transfer size the plan would use."""
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
@@ -154,11 +176,19 @@ def measure(device: torch.device, transfer_numel: int, dtype: torch.dtype,
         bps = _threaded_copy_bps(dst, src)
         # the "device" is host memory: by default let the plan use what model state leaves
         return HardwareSpec(
-            name=f"CPU ({psutil.cpu_count()} cores, {vm.total / GiB:.0f} GiB)", device="cpu",
-            device_mem=device_mem if device_mem is not None else host // 2, host_mem=host,
-            h2d_bps=bps, d2h_bps=float("inf"), duplex_h2d_bps=bps, matmul_flops=0.0,
-            adam_s_per_param=adam, accum_s_per_param=add, host_shares_compute=True,
-            measured=True)
+            name=f"CPU ({psutil.cpu_count()} cores, {vm.total / GiB:.0f} GiB)",
+            device="cpu",
+            device_mem=device_mem if device_mem is not None else host // 2,
+            host_mem=host,
+            h2d_bps=bps,
+            d2h_bps=float("inf"),
+            duplex_h2d_bps=bps,
+            matmul_flops=0.0,
+            adam_s_per_param=adam,
+            accum_s_per_param=add,
+            host_shares_compute=True,
+            measured=True,
+        )
     free, total = torch.cuda.mem_get_info(device)
     pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
     back = torch.empty(numel, dtype=dtype, pin_memory=True)
@@ -181,11 +211,18 @@ def measure(device: torch.device, transfer_numel: int, dtype: torch.dtype,
             back.copy_(dev2, non_blocking=True)
 
     duplex = pinned.nbytes / timed(both)
-    del pinned, back, dev, dev2
     margin = max(GiB // 2, int(0.05 * total))  # CUDA context, allocator slack, fragmentation
     return HardwareSpec(
-        name=torch.cuda.get_device_name(device), device="cuda",
+        name=torch.cuda.get_device_name(device),
+        device="cuda",
         device_mem=device_mem if device_mem is not None else max(0, free - margin),
-        host_mem=host, h2d_bps=h2d, d2h_bps=d2h, duplex_h2d_bps=duplex, matmul_flops=0.0,
-        adam_s_per_param=adam, accum_s_per_param=add, host_shares_compute=False,
-        measured=True)
+        host_mem=host,
+        h2d_bps=h2d,
+        d2h_bps=d2h,
+        duplex_h2d_bps=duplex,
+        matmul_flops=0.0,
+        adam_s_per_param=adam,
+        accum_s_per_param=add,
+        host_shares_compute=False,
+        measured=True,
+    )

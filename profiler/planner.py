@@ -53,24 +53,32 @@ class Plan:
         except FileNotFoundError:
             raise ConfigError(f"plan file not found: {path}; run `atom profile` first") from None
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON ({err.msg}); run `atom profile` "
-                              "again") from None
+            raise ConfigError(
+                f"{path} is not valid JSON ({err.msg}); run `atom profile` again"
+            ) from None
         if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
-            raise ConfigError(f"{path} is not an atom plan (version {PLAN_VERSION}); run "
-                              "`atom profile` again")
+            raise ConfigError(
+                f"{path} is not an atom plan (version {PLAN_VERSION}); run `atom profile` again"
+            )
         try:
             return cls(**data)
         except TypeError as err:
-            raise ConfigError(f"{path} is not a valid plan ({err}); run `atom profile` "
-                              "again") from None
+            raise ConfigError(
+                f"{path} is not a valid plan ({err}); run `atom profile` again"
+            ) from None
 
     def apply(self, cfg: Config) -> Config:
         """cfg with this plan's partition and batch; refuses a plan made for another model."""
         if self.model != cfg.to_dict()["model"]:
-            raise ConfigError("the plan was made for a different model config; run `atom "
-                              "profile` with the same --config/--set model.* values")
-        return replace(cfg, swap=self.swap,
-                       train={"micro_batch": self.micro_batch, "grad_accum": self.grad_accum})
+            raise ConfigError(
+                "the plan was made for a different model config; run `atom "
+                "profile` with the same --config/--set model.* values"
+            )
+        return replace(
+            cfg,
+            swap=self.swap,
+            train={"micro_batch": self.micro_batch, "grad_accum": self.grad_accum},
+        )
 
 
 def _lpu_options(n_layer: int) -> list[int]:
@@ -105,34 +113,44 @@ class Scored:
 
     def row(self) -> dict:
         c, p = self.candidate, self.prediction
-        return {**asdict(c), "step_s": p.step_s, "tokens_per_s": p.tokens_per_s,
-                "peak_device_bytes": p.peak_device_bytes, "host_bytes": p.host_bytes,
-                "bottleneck": p.bottleneck}
+        return {
+            **asdict(c),
+            "step_s": p.step_s,
+            "tokens_per_s": p.tokens_per_s,
+            "peak_device_bytes": p.peak_device_bytes,
+            "host_bytes": p.host_bytes,
+            "bottleneck": p.bottleneck,
+        }
 
 
-def search(cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int,
-           times_for) -> list[Scored]:
+def search(
+    cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int, times_for
+) -> list[Scored]:
     """Score every candidate; `times_for(micro_batch, analysis)` gives PieceTimes."""
     analyses: dict[int, ModelAnalysis] = {}
     scored = []
     for cand in candidates(cfg, target_batch):
         if cand.layers_per_unit not in analyses:
             analyses[cand.layers_per_unit] = ModelAnalysis.of(
-                replace(cfg, swap={"layers_per_unit": cand.layers_per_unit, "prefetch": 0}))
+                replace(cfg, swap={"layers_per_unit": cand.layers_per_unit, "prefetch": 0})
+            )
         a = analyses[cand.layers_per_unit]
         pred = predict(a, cand, hw, times_for(cand.micro_batch, a), dtype)
-        scored.append(Scored(cand, pred, pred.peak_device_bytes <= hw.device_mem,
-                             pred.host_bytes <= hw.host_mem))
+        scored.append(
+            Scored(
+                cand, pred, pred.peak_device_bytes <= hw.device_mem, pred.host_bytes <= hw.host_mem
+            )
+        )
     return scored
 
 
-def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config,
-           dtype: torch.dtype) -> list[Scored]:
+def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype) -> list[Scored]:
     """Feasible plans, fastest first (fewer device bytes break ties). Raises Infeasible."""
     ok = [s for s in scored if s.fits_device and s.fits_host]
     if ok:
-        return sorted(ok, key=lambda s: (round(s.prediction.step_s, 9),
-                                         s.prediction.peak_device_bytes))
+        return sorted(
+            ok, key=lambda s: (round(s.prediction.step_s, 9), s.prediction.peak_device_bytes)
+        )
     raise Infeasible(explain_infeasible(scored, hw, cfg, dtype))
 
 
@@ -140,56 +158,71 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
-def explain_infeasible(scored: list[Scored], hw: HardwareSpec, cfg: Config,
-                       dtype: torch.dtype) -> str:
+def explain_infeasible(
+    scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype
+) -> str:
     smallest = min(scored, key=lambda s: s.prediction.peak_device_bytes)
     host_need = min(s.prediction.host_bytes for s in scored)
     parts = []
     if host_need > hw.host_mem:
-        parts.append(f"host RAM: the model state needs {_gib(host_need)} but "
-                     f"{_gib(hw.host_mem)} is available (short by "
-                     f"{_gib(host_need - hw.host_mem)}); add RAM or choose a smaller model")
+        parts.append(
+            f"host RAM: the model state needs {_gib(host_need)} but "
+            f"{_gib(hw.host_mem)} is available (short by "
+            f"{_gib(host_need - hw.host_mem)}); add RAM or choose a smaller model"
+        )
     dev = smallest.prediction.peak_device_bytes
     if dev > hw.device_mem:
         c = smallest.candidate
-        a = ModelAnalysis.of(replace(cfg, swap={"layers_per_unit": c.layers_per_unit,
-                                                "prefetch": 0}))
+        a = ModelAnalysis.of(
+            replace(cfg, swap={"layers_per_unit": c.layers_per_unit, "prefetch": 0})
+        )
         unit = a.largest_unit * dtype_bytes(dtype)
         advice = "use a smaller micro-batch" if c.micro_batch > 1 else "use a smaller model"
         fitting = _longest_fitting_seq_len(cfg, c, hw, dtype)
         if c.micro_batch == 1 and fitting:
-            advice = (f"--set model.seq_len={fitting} would fit (activations shrink with the "
-                      "sequence), or use a smaller model")
+            advice = (
+                f"--set model.seq_len={fitting} would fit (activations shrink with the "
+                "sequence), or use a smaller model"
+            )
         parts.append(
             f"device memory: the smallest plan (micro-batch {c.micro_batch}, "
             f"{c.layers_per_unit} layer(s)/unit, prefetch {c.prefetch}, checkpointing"
             f"{' + offload' if c.offload_activations else ''}) needs {_gib(dev)} but the "
             f"budget is {_gib(hw.device_mem)} (short by {_gib(dev - hw.device_mem)}; the "
-            f"largest unit is ~{_gib(unit)} of parameters); {advice}")
+            f"largest unit is ~{_gib(unit)} of parameters); {advice}"
+        )
     if not parts:  # each limit is met by some plan, but never both by the same one
-        parts.append("no single plan fits both the device budget and host RAM; add host RAM "
-                     "(activation offload needs it) or use a shorter sequence")
+        parts.append(
+            "no single plan fits both the device budget and host RAM; add host RAM "
+            "(activation offload needs it) or use a shorter sequence"
+        )
     return "no plan fits: " + "; ".join(parts)
 
 
-def _longest_fitting_seq_len(cfg: Config, c: Candidate, hw: HardwareSpec,
-                             dtype: torch.dtype) -> int | None:
+def _longest_fitting_seq_len(
+    cfg: Config, c: Candidate, hw: HardwareSpec, dtype: torch.dtype
+) -> int | None:
     from profiler.cost import peak_device_bytes
 
     seq = cfg.model.seq_len // 2
     while seq >= 16:
-        shorter = replace(cfg, model={"seq_len": seq},
-                          swap={"layers_per_unit": c.layers_per_unit, "prefetch": 0})
-        if peak_device_bytes(ModelAnalysis.of(shorter), c, dtype, hw.device == "cuda") <= \
-                hw.device_mem:
+        shorter = replace(
+            cfg, model={"seq_len": seq}, swap={"layers_per_unit": c.layers_per_unit, "prefetch": 0}
+        )
+        if (
+            peak_device_bytes(ModelAnalysis.of(shorter), c, dtype, hw.device == "cuda")
+            <= hw.device_mem
+        ):
             return seq
         seq //= 2
     return None
 
 
 def format_table(rows: list[Scored], limit: int = 8) -> str:
-    head = ("| # | layers/unit | prefetch | micro-batch x accum | checkpoint | offload | "
-            "step s | tokens/s | device peak | host RAM | bottleneck |")
+    head = (
+        "| # | layers/unit | prefetch | micro-batch x accum | checkpoint | offload | "
+        "step s | tokens/s | device peak | host RAM | bottleneck |"
+    )
     lines = [head, "|" + "---|" * 11]
     for i, s in enumerate(rows[:limit], 1):
         c, p = s.candidate, s.prediction
@@ -197,18 +230,30 @@ def format_table(rows: list[Scored], limit: int = 8) -> str:
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
             f"{p.step_s:.3f} | {p.tokens_per_s:,.0f} | {_gib(p.peak_device_bytes)} | "
-            f"{_gib(p.host_bytes)} | {p.bottleneck} |")
+            f"{_gib(p.host_bytes)} | {p.bottleneck} |"
+        )
     return "\n".join(lines)
 
 
-def make_plan(cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int,
-              ranked: list[Scored]) -> Plan:
+def make_plan(
+    cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int, ranked: list[Scored]
+) -> Plan:
     best = ranked[0]
     c = best.candidate
     return Plan(
-        version=PLAN_VERSION, model=cfg.to_dict()["model"], hardware=hw.to_dict(),
-        dtype=str(dtype).replace("torch.", ""), target_batch=target_batch,
-        swap={"layers_per_unit": c.layers_per_unit, "prefetch": c.prefetch,
-              "checkpoint": c.checkpoint, "offload_activations": c.offload_activations},
-        micro_batch=c.micro_batch, grad_accum=c.grad_accum,
-        prediction=best.prediction.to_dict(), candidates=[s.row() for s in ranked[:20]])
+        version=PLAN_VERSION,
+        model=cfg.to_dict()["model"],
+        hardware=hw.to_dict(),
+        dtype=str(dtype).replace("torch.", ""),
+        target_batch=target_batch,
+        swap={
+            "layers_per_unit": c.layers_per_unit,
+            "prefetch": c.prefetch,
+            "checkpoint": c.checkpoint,
+            "offload_activations": c.offload_activations,
+        },
+        micro_batch=c.micro_batch,
+        grad_accum=c.grad_accum,
+        prediction=best.prediction.to_dict(),
+        candidates=[s.row() for s in ranked[:20]],
+    )

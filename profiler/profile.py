@@ -26,9 +26,15 @@ def _stated_dtype(hw: hardware.HardwareSpec, cfg: Config) -> torch.dtype:
     return torch.bfloat16 if hw.device == "cuda" else torch.float32
 
 
-def run_profile(cfg: Config, target_batch: int | None = None, gpu_mem: int | None = None,
-                host_mem: int | None = None, stated: str | None = None, refresh: bool = False,
-                progress: bool = True) -> tuple[Plan, list[Scored], hardware.HardwareSpec]:
+def run_profile(
+    cfg: Config,
+    target_batch: int | None = None,
+    gpu_mem: int | None = None,
+    host_mem: int | None = None,
+    stated: str | None = None,
+    refresh: bool = False,
+    progress: bool = True,
+) -> tuple[Plan, list[Scored], hardware.HardwareSpec]:
     target = target_batch or cfg.train.micro_batch * cfg.train.grad_accum
     if target < 1:
         raise ConfigError("--batch must be >= 1")
@@ -36,8 +42,9 @@ def run_profile(cfg: Config, target_batch: int | None = None, gpu_mem: int | Non
         hw = hardware.stated(stated, gpu_mem, host_mem)
         dtype = _stated_dtype(hw, cfg)
         if hw.matmul_flops <= 0:
-            raise ConfigError("a stated hardware spec needs matmul_flops > 0 to estimate "
-                              "compute time")
+            raise ConfigError(
+                "a stated hardware spec needs matmul_flops > 0 to estimate compute time"
+            )
 
         def times_for(mb: int, a: ModelAnalysis):
             return timing.estimate_pieces(a, mb, hw)
@@ -46,8 +53,9 @@ def run_profile(cfg: Config, target_batch: int | None = None, gpu_mem: int | Non
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype), refresh)
-        largest = ModelAnalysis.of(replace(cfg, swap={"layers_per_unit": 1,
-                                                      "prefetch": 0})).largest_unit
+        largest = ModelAnalysis.of(
+            replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
+        ).largest_unit
         if cache.data.get("hardware") and not refresh:
             hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
             if gpu_mem is not None:
@@ -60,8 +68,9 @@ def run_profile(cfg: Config, target_batch: int | None = None, gpu_mem: int | Non
             cache.data["hardware"] = hw.to_dict()
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= target]
         missing = [b for b in sizes if target % b == 0 and cache.pieces(b) is None]
-        for mb in tqdm(missing, desc="timing one block", unit="batch size",
-                       disable=not progress or not missing):
+        for mb in tqdm(
+            missing, desc="timing one block", unit="batch size", disable=not progress or not missing
+        ):
             cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
         cache.save()
 

@@ -52,8 +52,13 @@ def _median(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_pieces(model_cfg: ModelConfig, micro_batch: int, device: torch.device,
-                   dtype: torch.dtype, reps: int = 3) -> PieceTimes:
+def measure_pieces(
+    model_cfg: ModelConfig,
+    micro_batch: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int = 3,
+) -> PieceTimes:
     one = ModelConfig(**{**asdict(model_cfg), "n_layer": 1})
     model = materialize(build_model(one), seed=0, device=device, dtype=dtype)
     B, T, d = micro_batch, one.seq_len, one.d_model
@@ -76,8 +81,12 @@ def measure_pieces(model_cfg: ModelConfig, micro_batch: int, device: torch.devic
 
     t_fwd = _median(fwd, device, reps)
     t_both = _median(fwd_bwd, device, reps)
-    return PieceTimes(block_fwd=t_fwd, block_bwd=max(t_both - t_fwd, 0.0),
-                      head=_median(head_step, device, reps), embed=_median(embed_step, device, reps))
+    return PieceTimes(
+        block_fwd=t_fwd,
+        block_bwd=max(t_both - t_fwd, 0.0),
+        head=_median(head_step, device, reps),
+        embed=_median(embed_step, device, reps),
+    )
 
 
 def estimate_pieces(analysis: ModelAnalysis, micro_batch: int, hw: HardwareSpec) -> PieceTimes:
@@ -97,8 +106,14 @@ def _cache_dir() -> Path:
 def cache_key(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
     model = {k: v for k, v in asdict(cfg.model).items() if k != "n_layer"}
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    machine = [platform.node(), platform.processor(), platform.machine(), os.cpu_count(), gpu,
-               torch.__version__]
+    machine = [
+        platform.node(),
+        platform.processor(),
+        platform.machine(),
+        os.cpu_count(),
+        gpu,
+        torch.__version__,
+    ]
     blob = json.dumps([model, machine, str(dtype)], sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 

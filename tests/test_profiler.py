@@ -1,6 +1,6 @@
 """The profiler: analysis, memory model, planner, plan.json, stated-hardware profiling.
 
-    pytest tests/test_profiler.py
+pytest tests/test_profiler.py
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def measured_block_bytes(model_cfg, micro_batch):
 
 @pytest.mark.parametrize("arch,kv", [("gpt", None), ("llama", 2), ("llama", None)])
 def test_analytic_activations_match_a_measured_block(arch, kv):
-    cfg = tiny_config(model={"arch": arch, "n_kv_head": kv, "d_model": 128, "n_head": 8,
-                             "seq_len": 64})
+    cfg = tiny_config(
+        model={"arch": arch, "n_kv_head": kv, "d_model": 128, "n_head": 8, "seq_len": 64}
+    )
     a = ModelAnalysis.of(cfg)
     measured = measured_block_bytes(cfg.model, 4)
     predicted = a.block_activation_bytes(4, torch.float32)
@@ -73,8 +74,13 @@ def test_memory_model_matches_the_engine_accounting(lpu, prefetch, mb, ckpt, off
     cfg = tiny_config(
         model={"arch": arch, "n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
         train={"micro_batch": mb},
-        swap={"layers_per_unit": lpu, "prefetch": prefetch, "checkpoint": ckpt,
-              "offload_activations": offload})
+        swap={
+            "layers_per_unit": lpu,
+            "prefetch": prefetch,
+            "checkpoint": ckpt,
+            "offload_activations": offload,
+        },
+    )
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     try:
         engine.train_step(batches_for(0, cfg), 1e-3)
@@ -88,8 +94,9 @@ def test_memory_model_matches_the_engine_accounting(lpu, prefetch, mb, ckpt, off
 
 def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
     cfg = tiny_config(model={"n_layer": 4}, train={"micro_batch": 4, "grad_accum": 2})
-    plan, ranked, hw = run_profile(cfg, stated="rtx3060", gpu_mem=64 * 2**20,
-                                   host_mem=GiB, progress=False)
+    plan, ranked, hw = run_profile(
+        cfg, stated="rtx3060", gpu_mem=64 * 2**20, host_mem=GiB, progress=False
+    )
     assert plan.prediction["peak_device_bytes"] <= 64 * 2**20
     assert all(r.fits_device and r.fits_host for r in ranked)
     assert ranked[0].prediction.step_s == min(r.prediction.step_s for r in ranked)
@@ -100,12 +107,15 @@ def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
 
 
 def test_a_tight_budget_forces_checkpointing_and_small_batches():
-    cfg = tiny_config(model={"n_layer": 4, "d_model": 128, "seq_len": 128},
-                      train={"micro_batch": 8, "grad_accum": 1})
+    cfg = tiny_config(
+        model={"n_layer": 4, "d_model": 128, "seq_len": 128},
+        train={"micro_batch": 8, "grad_accum": 1},
+    )
     loose, _, _ = run_profile(cfg, stated="rtx4090", gpu_mem=GiB, host_mem=GiB, progress=False)
     tight_budget = 8 * 2**20
-    tight, ranked, _ = run_profile(cfg, stated="rtx4090", gpu_mem=tight_budget, host_mem=GiB,
-                                   progress=False)
+    tight, ranked, _ = run_profile(
+        cfg, stated="rtx4090", gpu_mem=tight_budget, host_mem=GiB, progress=False
+    )
     assert loose.prediction["peak_device_bytes"] > tight_budget  # the budget bites
     assert tight.prediction["peak_device_bytes"] <= tight_budget
     assert tight.swap["checkpoint"] or tight.micro_batch < loose.micro_batch
@@ -144,25 +154,47 @@ def test_every_config_profiles_on_meta_in_seconds(path):
     """llama-7b on a stated 24 GiB card and 128 GiB host: no model memory allocated."""
     rss = psutil.Process(os.getpid()).memory_info().rss
     t0 = time.perf_counter()
-    plan, ranked, _ = run_profile(load_config(path), stated="rtx4090", gpu_mem=24 * GiB,
-                                  host_mem=128 * GiB, progress=False)
+    plan, ranked, _ = run_profile(
+        load_config(path), stated="rtx4090", gpu_mem=24 * GiB, host_mem=128 * GiB, progress=False
+    )
     assert time.perf_counter() - t0 < 20
     assert psutil.Process(os.getpid()).memory_info().rss - rss < 300 * 2**20
     assert plan.prediction["peak_device_bytes"] <= 24 * GiB
     assert plan.prediction["host_bytes"] <= 128 * GiB
 
 
-def test_profile_and_train_with_the_plan_through_the_cli(tmp_path, text_dataset, capsys,
-                                                          monkeypatch):
+def test_profile_and_train_with_the_plan_through_the_cli(
+    tmp_path, text_dataset, capsys, monkeypatch
+):
     monkeypatch.setenv("ATOM_CACHE", str(tmp_path / "cache"))
-    sets = ["--set", "model.n_layer=2", "--set", "model.seq_len=32",
-            "--set", f"train.data={text_dataset}"]
+    sets = [
+        "--set",
+        "model.n_layer=2",
+        "--set",
+        "model.seq_len=32",
+        "--set",
+        f"train.data={text_dataset}",
+    ]
     plan_path = tmp_path / "plan.json"
     assert main(["profile", *sets, "--out", str(plan_path), "--gpu-mem", "256MiB"]) == 0
     out = capsys.readouterr().out
     assert "| # | layers/unit" in out and "chose #1" in out
-    assert main(["train", *sets, "--plan", str(plan_path), "--max-steps", "3",
-                 "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *sets,
+                "--plan",
+                str(plan_path),
+                "--max-steps",
+                "3",
+                "--out",
+                str(tmp_path / "run"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "plan predicted" in out and "measured" in out
     # a second profile reuses the cached measurements
