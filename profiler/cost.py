@@ -69,7 +69,14 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
     else:
         n_layer = a.cfg.model.n_layer
         embed_saved = tokens * 8 + a.cfg.model.seq_len * 8  # token ids, positions (int64)
-        peak = slots + embed_saved + n_layer * (block + hidden) + head + head_unit
+        # everything saved stays until the backward frees it; the peak comes at the head
+        # (its activations + gradient) or at the first block unit's gradient
+        peak = (
+            slots
+            + embed_saved
+            + n_layer * (block + hidden)
+            + max(head + head_unit, largest_block_unit)
+        )
     if cuda:
         peak += a.head_workspace_bytes(c.micro_batch, dtype) + 2 * hidden
         peak = int(peak * 1.05)  # caching-allocator rounding and fragmentation
@@ -130,7 +137,13 @@ def predict(
     offload = 0.0
     if c.offload_activations and cuda:
         offload = 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
-    micro = fwd + bwd + offload
+    if hw.host_shares_compute:
+        # CPU backend: the copy thread takes a core that compute would use, so copies add
+        # to the step rather than hide under it
+        fwd = sum(fwd_c_all) + sum(h2d)
+        bwd = sum(bwd_c) + sum(bwd_x)
+    overhead = (2 * len(units) - 1) * hw.unit_overhead_s
+    micro = fwd + bwd + offload + overhead
     n = a.n_params
     accum = (c.grad_accum - 1) * n * hw.accum_s_per_param
     optimizer = n * hw.adam_s_per_param

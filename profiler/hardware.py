@@ -19,6 +19,7 @@ import psutil
 import torch
 
 from atom.config import ConfigError
+from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli.py, tools/
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class HardwareSpec:
     host_shares_compute: bool  # CPU backend: host work competes with compute for cores
     measured: bool = False
     dtype: str = "auto"  # compute dtype: auto = bf16 on CUDA, fp32 on CPU; fp16 for pre-Ampere
+    unit_overhead_s: float = 2e-4  # Python + launch cost of one unit visit
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +49,7 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, data: dict) -> HardwareSpec:
         names = {f.name for f in fields(cls)}
-        missing = names - set(data) - {"measured", "dtype"}
+        missing = names - set(data) - {"measured", "dtype", "unit_overhead_s"}
         if missing:
             raise ConfigError(f"hardware spec is missing {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -80,27 +82,6 @@ PRESETS: dict[str, dict] = {
     "rtx4090": _gpu("RTX 4090 (24 GB, PCIe4)", 24, 25, 80, 14),
     "h200": _gpu("H200 (141 GB, PCIe5)", 139, 50, 400, 35),
 }
-
-
-def parse_bytes(text: str) -> int:
-    units = {
-        "kib": 2**10,
-        "mib": 2**20,
-        "gib": 2**30,
-        "tib": 2**40,
-        "kb": 10**3,
-        "mb": 10**6,
-        "gb": 10**9,
-        "tb": 10**12,
-    }
-    low = str(text).strip().lower().replace(" ", "")
-    try:
-        for suffix, mult in units.items():
-            if low.endswith(suffix):
-                return int(float(low[: -len(suffix)]) * mult)
-        return int(float(low))
-    except ValueError:
-        raise ConfigError(f"cannot read {text!r} as a size; write e.g. 24GiB or 12GB") from None
 
 
 def stated(spec: str, device_mem: int | None = None, host_mem: int | None = None) -> HardwareSpec:
@@ -145,6 +126,38 @@ def measure_host_optimizer(numel: int = 4_000_000) -> tuple[float, float]:
     return adam, add
 
 
+def measure_unit_overhead(device: torch.device) -> float:
+    """Seconds the swap engine spends per unit visit beyond compute and copies: time a
+    training step of a model so small that its compute and copies are negligible."""
+    from atom.config import Config
+    from atom.swap.backend import CpuBackend, CudaBackend
+    from atom.swap.engine import SwapEngine
+
+    cfg = Config.from_dict(
+        {
+            "model": {"n_layer": 4, "n_head": 1, "d_model": 8, "seq_len": 8, "vocab_size": 16},
+            "train": {"micro_batch": 1, "grad_accum": 1},
+            "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": True},
+        }
+    )
+    dtype = torch.float32
+    backend = CudaBackend(device, 1024, dtype) if device.type == "cuda" else CpuBackend()
+    engine = SwapEngine(cfg, backend, dtype)
+    x = torch.zeros(1, 8, dtype=torch.long)
+    try:
+
+        def step() -> None:
+            engine.train_step([(x, x)], 1e-4)
+            engine.wait_idle()
+
+        step()
+        per_step = _median_time(step, 7)
+    finally:
+        engine.close()
+    visits = len(engine.units) * 2 - 1  # forward of every unit, backward of all but the head
+    return per_step / visits
+
+
 def _threaded_copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
     """What the CPU backend's copy thread achieves (it is a thread, so measure one)."""
     result: list[float] = []
@@ -170,7 +183,9 @@ def measure(
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
     adam, add = measure_host_optimizer()
-    numel = max(transfer_numel, 1 << 20)
+    overhead = measure_unit_overhead(device)
+    # at least 64 MiB: smaller copies run from cache and overstate DRAM bandwidth
+    numel = max(transfer_numel, 1 << 24)
     if device.type == "cpu":
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
         bps = _threaded_copy_bps(dst, src)
@@ -188,6 +203,7 @@ def measure(
             accum_s_per_param=add,
             host_shares_compute=True,
             measured=True,
+            unit_overhead_s=overhead,
         )
     free, total = torch.cuda.mem_get_info(device)
     pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
@@ -225,4 +241,5 @@ def measure(
         accum_s_per_param=add,
         host_shares_compute=False,
         measured=True,
+        unit_overhead_s=overhead,
     )

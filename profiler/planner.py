@@ -148,9 +148,15 @@ def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dty
     """Feasible plans, fastest first (fewer device bytes break ties). Raises Infeasible."""
     ok = [s for s in scored if s.fits_device and s.fits_host]
     if ok:
-        return sorted(
-            ok, key=lambda s: (round(s.prediction.step_s, 9), s.prediction.peak_device_bytes)
-        )
+        # Predictions within 1% of the fastest are a tie the model cannot resolve: among
+        # those prefer the smallest device footprint (headroom against fragmentation).
+        fastest = min(s.prediction.step_s for s in ok)
+
+        def rank(s: Scored) -> tuple:
+            tied = s.prediction.step_s <= fastest * 1.01
+            return (not tied, s.prediction.peak_device_bytes if tied else s.prediction.step_s)
+
+        return sorted(ok, key=rank)
     raise Infeasible(explain_infeasible(scored, hw, cfg, dtype))
 
 

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,7 +39,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median(fn, device, reps: int) -> float:
+def _best(fn, device, reps: int) -> float:
+    """Fastest of `reps` runs after a warm-up: on a shared machine other processes only
+    ever add time, so the minimum is the least noisy estimate of the cost itself."""
     fn()  # warm-up: allocator, kernels, caches
     _sync(device)
     times = []
@@ -49,7 +50,7 @@ def _median(fn, device, reps: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_pieces(
@@ -57,7 +58,7 @@ def measure_pieces(
     micro_batch: int,
     device: torch.device,
     dtype: torch.dtype,
-    reps: int = 3,
+    reps: int = 5,
 ) -> PieceTimes:
     one = ModelConfig(**{**asdict(model_cfg), "n_layer": 1})
     model = materialize(build_model(one), seed=0, device=device, dtype=dtype)
@@ -79,13 +80,13 @@ def measure_pieces(
     def embed_step() -> None:
         embed(tokens).sum().backward()
 
-    t_fwd = _median(fwd, device, reps)
-    t_both = _median(fwd_bwd, device, reps)
+    t_fwd = _best(fwd, device, reps)
+    t_both = _best(fwd_bwd, device, reps)
     return PieceTimes(
         block_fwd=t_fwd,
         block_bwd=max(t_both - t_fwd, 0.0),
-        head=_median(head_step, device, reps),
-        embed=_median(embed_step, device, reps),
+        head=_best(head_step, device, reps),
+        embed=_best(embed_step, device, reps),
     )
 
 

@@ -34,18 +34,10 @@ import psutil
 import torch
 
 from atom.config import Config, load_config, replace
+from atom.sizes import parse_bytes
 from atom.train import build_engine, resolve_device
 
 log = logging.getLogger("bench_swap")
-
-
-def parse_bytes(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(low)
 
 
 def make_batches(cfg: Config, seed: int):
