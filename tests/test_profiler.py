@@ -103,8 +103,9 @@ def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
     assert ranked[0].prediction.step_s <= fastest * 1.01  # fastest, up to a 1% tie...
     ties = [r for r in ranked if r.prediction.step_s <= fastest * 1.01]
     # ...broken towards the smallest device footprint
-    assert ranked[0].prediction.peak_device_bytes == min(r.prediction.peak_device_bytes
-                                                         for r in ties)
+    assert ranked[0].prediction.peak_device_bytes == min(
+        r.prediction.peak_device_bytes for r in ties
+    )
     assert plan.micro_batch * plan.grad_accum == 8
     trained = plan.apply(cfg)
     assert trained.swap.layers_per_unit == plan.swap["layers_per_unit"]
