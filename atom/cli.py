@@ -11,9 +11,11 @@ import logging
 import sys
 from pathlib import Path
 
+from atom import simulate as simulate_command
 from atom.checkpoint import CheckpointError
 from atom.config import ConfigError, load_config
 from atom.data import DataError
+from atom.gossip import commands as gossip_commands
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
@@ -45,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (default: tiny GPT on a built-in corpus)")
     _add_config_args(t)
+    t.add_argument(
+        "--model",
+        metavar="HF_DIR",
+        help="fine-tune a local Hugging Face checkpoint (llama, mistral, qwen2, gpt2): "
+        "same as model: hf:HF_DIR in the config",
+    )
     t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     t.add_argument(
         "--out",
@@ -68,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PLAN_JSON",
         help="use the partition, prefetch and micro-batch chosen by `atom profile`",
     )
+    gossip_commands.add_train_args(t)
 
     pf = sub.add_parser(
         "profile", help="measure model and machine, choose the plan that fits, write plan.json"
@@ -94,15 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--top", type=int, default=8, help="candidates to show (default 8)")
     pf.add_argument("--refresh", action="store_true", help="re-measure instead of the cache")
 
-
     pr = sub.add_parser("prepare", help="tokenize text files into token shards for training")
     pr.add_argument("inputs", nargs="+", help="text files or directories")
     pr.add_argument("--out", required=True, help="dataset directory to write")
     pr.add_argument(
         "--tokenizer",
         default="byte",
-        help="'byte' (default, vocab 256) or a local tokenizer.json "
-        "(needs the 'tokenizers' package)",
+        help="'byte' (default, vocab 256), a local tokenizer.json, or a Hugging Face "
+        "checkpoint directory (its tokenizer.json; needs the 'tokenizers' package)",
     )
     pr.add_argument(
         "--val-fraction",
@@ -118,13 +126,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=0)
+
+    ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
+    ex.add_argument("run", help="run directory or checkpoint directory")
+    ex.add_argument(
+        "--hf",
+        required=True,
+        metavar="OUT",
+        help="new directory for config.json, safetensors shards + index, tokenizer files",
+    )
+    ex.add_argument(
+        "--dtype",
+        default="source",
+        choices=["source", "fp32", "bf16", "fp16"],
+        help="weight dtype (default: the source checkpoint's; fp32 for a model trained "
+        "from scratch)",
+    )
+    ex.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    gossip_commands.add_commands(sub)  # keygen, peers
+    simulate_command.add_command(sub)  # atom vs pipeline vs data parallel
     return parser
 
 
 def cmd_train(args) -> int:
     from atom.train import Trainer, host_bytes_needed
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = args.overrides + gossip_commands.train_overrides(args)
+    cfg = load_config(args.config, overrides, model=args.model)
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise ConfigError("--max-steps must be >= 1")
@@ -246,6 +274,18 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from atom.hf import export_hf
+
+    s = export_hf(Path(args.run), Path(args.hf), args.dtype, args.max_shard_size)
+    print(
+        f"atom: exported step {s.step} as {s.family} ({s.dtype}, {s.shards} shard(s), "
+        f"{s.bytes / 2**20:.1f} MiB, tokenizer: {', '.join(s.tokenizer_files) or 'none'}) "
+        f"to {s.out}; load it with transformers' AutoModelForCausalLM.from_pretrained"
+    )
+    return 0
+
+
 def cmd_generate(args) -> int:
     from atom.generate import generate
 
@@ -266,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         "prepare": cmd_prepare,
         "generate": cmd_generate,
         "profile": cmd_profile,
+        "export": cmd_export,
+        **gossip_commands.HANDLERS,
+        **simulate_command.HANDLERS,
     }
     try:
         return handlers[args.command](args)

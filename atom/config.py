@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from atom.gossip.settings import GossipConfig
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -41,8 +43,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     multiple_of: int = 256  # llama d_ff rounding
     init_std: float = 0.02
+    init_from: str | None = None  # a Hugging Face checkpoint dir (model: hf:PATH); see atom/hf/
 
     def __post_init__(self) -> None:
+        if self.init_from is not None and not self.init_from.strip():
+            raise ValueError("model.init_from must be a checkpoint directory or null")
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"model.arch must be 'gpt' or 'llama', got {self.arch!r}")
         for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
@@ -153,6 +158,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)  # peers; on with gossip.listen
 
     def n_units(self) -> int:
         """Embedding unit + block units + head unit."""
@@ -259,9 +265,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"--set key must look like section.key, got {path!r}")
         section, key = parts
         if not hasattr(defaults, section) or section.startswith("_"):
-            raise ConfigError(
-                f"unknown --set section {section!r}{_suggest(section, ['model', 'train', 'swap'])}"
-            )
+            sections = [f.name for f in fields(Config)]
+            raise ConfigError(f"unknown --set section {section!r}{_suggest(section, sections)}")
         names = [f.name for f in fields(getattr(defaults, section))]
         if key not in names:
             raise ConfigError(f"unknown --set key {section}.{key}{_suggest(key, names)}")
@@ -286,7 +291,10 @@ def resolve_config_path(name_or_path: str) -> Path:
     )
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, model: str | None = None
+) -> Config:
+    """`model` (atom train --model PATH) replaces the model section with hf:PATH."""
     data: dict[str, Any] = {}
     if path is not None:
         file = resolve_config_path(str(path))
@@ -300,8 +308,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"cannot read config {file}: {err.strerror}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{file} must be a mapping of sections (model:, train:, swap:)")
+    if model is not None:
+        data["model"] = model if model.startswith("hf:") else f"hf:{model}"
+    section = data.get("model")
+    if isinstance(section, str) or (isinstance(section, dict) and section.get("init_from")):
+        from atom.hf import expand_model_section  # a Hugging Face checkpoint's config.json
+
+        data["model"] = expand_model_section(section)
     data = apply_overrides(data, overrides or [])
-    return Config.from_dict(data)
+    cfg = Config.from_dict(data)
+    if cfg.model.init_from:
+        from atom.hf import check_config
+
+        check_config(cfg)
+    return cfg
 
 
 def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
@@ -315,6 +335,7 @@ def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
 __all__ = [
     "Config",
     "ConfigError",
+    "GossipConfig",
     "ModelConfig",
     "SwapConfig",
     "TrainConfig",

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = (".txt", ".md", ".py")
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # .jsonl: one record per line (atom/hf/)
 META_NAME = "meta.json"
 TRAIN_NAME = "train.bin"
 VAL_NAME = "val.bin"
@@ -92,6 +92,7 @@ class _Tokenizer:
     name: str  # canonical form stored in meta.json
     vocab_size: int
     encode: Callable[[bytes, Path], np.ndarray]
+    eos: int | None = None  # appended after each JSONL record
 
 
 def _byte_tokenizer() -> _Tokenizer:
@@ -101,6 +102,10 @@ def _byte_tokenizer() -> _Tokenizer:
 def _load_tokenizer(spec: str) -> _Tokenizer:
     if spec == "byte":
         return _byte_tokenizer()
+    if Path(spec).expanduser().is_dir():  # a Hugging Face checkpoint directory
+        from atom.hf import tokenizer_file
+
+        spec = str(tokenizer_file(Path(spec).expanduser()))
     if spec.startswith(_TOKENIZERS_PREFIX):
         path_str = spec[len(_TOKENIZERS_PREFIX) :]
     elif spec.endswith(".json"):
@@ -138,7 +143,9 @@ def _load_tokenizer(spec: str) -> _Tokenizer:
         ids = tok.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=dtype)
 
-    return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode)
+    from atom.hf import eos_token_id
+
+    return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok))
 
 
 def _collect_files(inputs: list[Path]) -> list[Path]:
@@ -236,6 +243,11 @@ def prepare(
 
     def chunks() -> Iterator[np.ndarray]:
         for path in tqdm(files, desc="tokenizing", unit="file", disable=not progress):
+            if path.suffix == ".jsonl":  # text / instruction / chat records
+                from atom.hf import jsonl_chunks
+
+                yield from jsonl_chunks(path, tok)
+                continue
             yield tok.encode(path.read_bytes(), path)
 
     meta = _write_dataset(chunks(), Path(out_dir), tok, val_fraction, source)

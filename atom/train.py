@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +95,8 @@ def build_engine(cfg: Config, resident: bool = False):
         backend = CudaBackend(device, max(u.n_total for u in units), dtype)
     else:
         backend = CpuBackend()
-    return SwapEngine(cfg, backend, dtype)
+    # weights from a Hugging Face checkpoint (or a resumed one) replace any random init
+    return SwapEngine(cfg, backend, dtype, init=not cfg.model.init_from)
 
 
 def data_dir_for(cfg: Config) -> Path:
@@ -149,6 +152,16 @@ class Trainer:
         self.start_step = 0
         if ckpt is not None:
             self._restore(ckpt)
+        elif cfg.model.init_from:
+            from atom.hf import load_weights  # fine-tuning: weights from a Hugging Face dir
+
+            load_weights(self.engine, cfg, tokenizer=self.data.meta.tokenizer)
+        self.gossip = None
+        if cfg.gossip.enabled:  # peers: listen, join, copy the group's weights and step
+            from atom.gossip.peer import attach_gossip
+
+            self.gossip = attach_gossip(cfg, self.engine, self.out, self.start_step, resident)
+            self.start_step = self.gossip.step
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
         self._trim_metrics(self.start_step)
@@ -158,6 +171,8 @@ class Trainer:
     def _open_resume(self, path: Path):
         ckpt = load_checkpoint(Path(path))
         saved_model = ckpt.meta.get("config", {}).get("model")
+        if isinstance(saved_model, dict):  # saved before model.init_from existed
+            saved_model = {"init_from": None, **saved_model}
         if saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint {ckpt.path} was trained with a different model config; "
@@ -225,6 +240,10 @@ class Trainer:
         batches = self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch)
         return self.engine.evaluate(batches)
 
+    def _stop_gossip(self) -> None:
+        if self.gossip is not None:
+            self.gossip.close()  # idempotent: goodbye, threads joined, sockets closed
+
     def run(self, max_steps: int | None = None) -> RunSummary:
         from atom.optim import lr_at
 
@@ -244,8 +263,9 @@ class Trainer:
         t_prev = time.perf_counter()
         rates = []
         try:
-            with self.metrics_path.open("a") as metrics:
+            with self.metrics_path.open("a") as metrics, _SigintAtStepBoundary() as sigint:
                 for step in range(self.start_step, end):
+                    sigint.check()
                     batches = [
                         self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)
                     ]
@@ -270,6 +290,9 @@ class Trainer:
                         record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
                     if result.skipped:
                         record["skipped"] = True
+                    if self.gossip is not None:
+                        self.gossip.after_step(step + 1)
+                        record["gossip"] = self.gossip.record()
                     done = step + 1
                     if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
                         record["val_loss"] = self.evaluate()
@@ -295,6 +318,7 @@ class Trainer:
                         loss=f"{result.loss:.4f}",
                         tok_s=f"{rate:,.0f}",
                         dev=_human(record["device_peak_bytes"]),
+                        **(self.gossip.postfix() if self.gossip is not None else {}),
                         refresh=False,
                     )
                     if tc.ckpt_interval and done % tc.ckpt_interval == 0:
@@ -302,12 +326,17 @@ class Trainer:
                         t_prev = time.perf_counter()
         except KeyboardInterrupt:
             bar.close()
+            self._stop_gossip()  # goodbye first: no merge lands while the checkpoint is written
             log.warning("interrupted: saving a checkpoint at step %d", summary.steps)
             if summary.steps > self.start_step:
                 summary.checkpoint = self.save(summary.steps)
             self.engine.close()
             raise
+        except BaseException:
+            self._stop_gossip()
+            raise
         bar.close()
+        self._stop_gossip()
         if summary.steps > self.start_step and last_saved_step != summary.steps:
             summary.checkpoint = self.save(summary.steps)
         # skip the first step's rate: it pays one-off allocation and warm-up
@@ -318,6 +347,35 @@ class Trainer:
         summary.device_peak_bytes = self.engine.device_peak_bytes()
         self.engine.close()
         return summary
+
+
+class _SigintAtStepBoundary:
+    """Ctrl+C takes effect between optimizer steps. A KeyboardInterrupt raised inside a
+    swapped step can leave units waiting for an update that is never submitted, and the
+    checkpoint Ctrl+C saves would then wait for them. A second Ctrl+C interrupts at once."""
+
+    def __enter__(self) -> _SigintAtStepBoundary:
+        self.pending = False
+        self._installed = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if self._installed:
+            signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True  # no logging here: the main thread may hold logging's lock
+
+    def check(self) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _human(n: int) -> str:

@@ -1,10 +1,10 @@
 """Peers benchmark: gossip's cost to a training step, exchange throughput on a shaped
 link, and flow-based vs random partner choice on a two-site network.
 
-    python -m tools.bench_gossip overhead --steps 300 --repeats 3
+    python -m tools.bench_gossip overhead --steps 200 --repeats 5
     python -m tools.bench_gossip throughput --mbps 20 100 1000 --exchanges 20
-    python -m tools.bench_gossip sites --seconds 60 --repeats 2
-    python -m tools.bench_gossip all            # the three above, as in docs/benchmarks.md
+    python -m tools.bench_gossip sites --seconds 60 --repeats 2 --data sites iid --lanes 1 2
+    python -m tools.bench_gossip all          # the three above (defaults): docs/benchmarks.md
 
 overhead    two `atom train` processes side by side (one thread each), once training
             alone and once as a gossip group; median step time of the same steps. Both
@@ -74,10 +74,18 @@ def prepare_data(root: Path) -> tuple[list[Path], Path]:
     return shards, root / "union"
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
+def _default_sigint() -> None:
+    # a shell's background job ignores SIGINT, and children inherit that: peers are
+    # stopped with SIGINT (Ctrl+C: checkpoint, goodbye), so give them the default back
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def spawn(args: list[str], log: Path, cmd: list[str] = ATOM) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
-        return subprocess.Popen(ATOM + args, stdout=f, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            cmd + args, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
+        )
 
 
 def status(run: Path) -> dict:
@@ -152,7 +160,7 @@ def bench_overhead(work: Path, steps: int, repeats: int) -> dict:
     results: dict[str, list[float]] = {"off": [], "on": []}
     exchanges = []
     for r in range(repeats):
-        for mode in ("off", "on"):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # ABBA: cancels drift
             runs = [work / f"overhead_{mode}_{r}_{k}" for k in range(2)]
             for run in runs:
                 if run.exists():
@@ -195,10 +203,13 @@ def bench_overhead(work: Path, steps: int, repeats: int) -> dict:
                 flush=True,
             )
     off, on = statistics.median(results["off"]), statistics.median(results["on"])
+    paired = [b / a for a, b in zip(results["off"], results["on"], strict=True)]
     return {
         "step_s_off": off,
         "step_s_on": on,
         "ratio": on / off,
+        "paired_ratios": paired,  # each repeat's two runs ran back to back: less drift
+        "paired_ratio_median": statistics.median(paired),
         "exchanges_per_s_per_peer": statistics.mean(exchanges) if exchanges else 0.0,
         "runs": results,
     }
@@ -215,7 +226,7 @@ def _peer_config(d_model: int, **gossip):
         train={"device": "cpu", "dtype": "fp32"},
         gossip={
             "listen": "tcp://127.0.0.1:0",
-            "interval_s": 3600.0,
+            "lanes": 0,  # only the exchanges we time: no lane of our own
             "heartbeat_s": 0.5,
             "dead_after_s": 5.0,
             "timeout_s": 60.0,
@@ -253,12 +264,13 @@ def bench_throughput(work: Path, rates: list[float], n_exchanges: int, d_model: 
     out = []
     for mbps in rates:
         run = work / f"throughput_{int(mbps)}"
-        run.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "tools.bench_gossip", "_responder", "--work", str(run),
-               "--mbps", str(mbps), "--d-model", str(d_model), "--seconds", "600"]  # fmt: skip
-        with open(work / f"throughput_{int(mbps)}.log", "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir(parents=True)
+        args = ["_responder", "--work", str(run), "--mbps", str(mbps), "--d-model",
+                str(d_model), "--seconds", "600"]  # fmt: skip
+        proc = spawn(
+            args, work / f"throughput_{int(mbps)}.log", [sys.executable, "-m", "tools.bench_gossip"]
+        )
         try:
             wait_for(lambda run=run: status(run).get("ready"), 60, "responder")
             cfg = _peer_config(
@@ -304,19 +316,35 @@ def bench_throughput(work: Path, rates: list[float], n_exchanges: int, d_model: 
 SITES = {"s0a": 0, "s0b": 0, "s1a": 1, "s1b": 1}
 
 
-def run_sites(work: Path, selection: str, seconds: float, tag: str, inside: float, across: float):
+def run_sites(
+    work: Path,
+    selection: str,
+    seconds: float,
+    tag: str,
+    inside: float,
+    across: float,
+    data: str,
+    lanes: int,
+):
     shards, union = prepare_data(work / "data")
+    if data == "iid":  # every peer on the union: the sites differ only in their links
+        shards = [union, union]
     runs = {n: work / f"sites_{tag}_{n}" for n in SITES}
+    for run in runs.values():
+        shutil.rmtree(run, ignore_errors=True)  # a stale gossip.json would point at nobody
     procs = {}
     for i, (name, site) in enumerate(SITES.items()):
-        far = ",".join(f"{o}={across:g}" for o, s in SITES.items() if s != site)
+        # one shared uplink to the other site, as a LAN behind one WAN link would have
+        far = "+".join(o for o, s in SITES.items() if s != site) + f"={across:g}"
         args = MODEL + COMMON + [
             "--set", f"train.data={shards[site]}", "--set", f"train.seed={i}",
             "--set", "train.warmup_steps=20", "--max-steps", "1000000",
+            "--set", "model.seq_len=64",
             "--listen", "tcp://127.0.0.1:0", "--set", f"gossip.name={name}",
             "--set", f"gossip.selection={selection}", "--set", "gossip.wait_peers=3",
             "--set", f"gossip.link_mbps={inside:g}", "--set", f"gossip.link_mbps_to={far}",
             "--set", "gossip.timeout_s=30", "--set", "gossip.join_timeout_s=120",
+            "--set", f"gossip.lanes={lanes}",
             "--out", str(runs[name]),
         ]  # fmt: skip
         if i:
@@ -362,19 +390,26 @@ def run_sites(work: Path, selection: str, seconds: float, tag: str, inside: floa
     }
 
 
-def bench_sites(work: Path, seconds: float, repeats: int) -> list[dict]:
+def bench_sites(
+    work: Path, seconds: float, repeats: int, data_modes: list[str], lanes: list[int]
+) -> list[dict]:
     out = []
     for r in range(repeats):
-        for selection in ("flow", "random"):
-            res = run_sites(work, selection, seconds, f"{selection}{r}", 1000, 20)
-            out.append(res)
-            print(
-                f"  sites {selection} #{r}: consensus {res['consensus']['all']:.5f} "
-                f"(site0 {res['consensus']['site0']:.5f}, site1 {res['consensus']['site1']:.5f})"
-                f", val loss {res['val_loss']:.4f}, exchanges inside {res['exchanges_inside']} "
-                f"across {res['exchanges_across']}, steps {res['steps']}",
-                flush=True,
-            )
+        for n_lanes in lanes:
+            for data in data_modes:
+                for selection in ("flow", "random"):
+                    tag = f"{data}_{selection}_l{n_lanes}_{r}"
+                    res = run_sites(work, selection, seconds, tag, 1000, 20, data, n_lanes)
+                    res.update(data=data, lanes=n_lanes, repeat=r)
+                    out.append(res)
+                    c = res["consensus"]
+                    print(
+                        f"  sites {data} {selection} lanes {n_lanes} #{r}: consensus "
+                        f"{c['all']:.5f} (site0 {c['site0']:.5f}, site1 {c['site1']:.5f}), val "
+                        f"loss {res['val_loss']:.4f}, exchanges inside {res['exchanges_inside']} "
+                        f"across {res['exchanges_across']}, steps {res['steps']}",
+                        flush=True,
+                    )
     return out
 
 
@@ -382,12 +417,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["overhead", "throughput", "sites", "all", "_responder"])
     ap.add_argument("--work", default="runs/bench_gossip", help="scratch directory")
-    ap.add_argument("--steps", type=int, default=300, help="overhead: steps per run")
-    ap.add_argument("--repeats", type=int, default=None, help="overhead 3, sites 2")
+    ap.add_argument("--steps", type=int, default=200, help="overhead: steps per run")
+    ap.add_argument("--repeats", type=int, default=None, help="default: overhead 5, sites 2")
     ap.add_argument("--mbps", type=float, nargs="+", default=[20, 100, 1000])
     ap.add_argument("--exchanges", type=int, default=20, help="throughput: exchanges per rate")
-    ap.add_argument("--d-model", type=int, default=256, help="throughput: model width")
+    ap.add_argument("--d-model", type=int, default=512, help="throughput: model width")
     ap.add_argument("--seconds", type=float, default=60, help="sites: wall time per run")
+    ap.add_argument(
+        "--data",
+        nargs="+",
+        default=["sites", "iid"],
+        choices=["sites", "iid"],
+        help="sites: each site its own shard (no word in common) and/or every peer on both",
+    )
+    ap.add_argument(
+        "--lanes", type=int, nargs="+", default=[1, 2], help="sites: gossip.lanes to compare"
+    )
     args = ap.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -396,18 +441,20 @@ def main(argv: list[str] | None = None) -> int:
         return responder(work, args.mbps[0], args.d_model, args.seconds)
     report: dict = {}
     if args.what in ("overhead", "all"):
-        report["overhead"] = bench_overhead(work, args.steps, args.repeats or 3)
+        report["overhead"] = bench_overhead(work, args.steps, args.repeats or 5)
         o = report["overhead"]
         print(
             f"overhead: {o['step_s_off'] * 1000:.1f} ms alone, {o['step_s_on'] * 1000:.1f} ms "
-            f"with gossip: {o['ratio']:.3f}x ({o['exchanges_per_s_per_peer']:.1f} exchanges/s "
-            "per peer)",
+            f"with gossip: {o['ratio']:.3f}x; per repeat "
+            f"{', '.join(f'{r:.3f}' for r in o['paired_ratios'])} (median "
+            f"{o['paired_ratio_median']:.3f}x); {o['exchanges_per_s_per_peer']:.1f} exchanges/s "
+            "per peer",
             flush=True,
         )
     if args.what in ("throughput", "all"):
         report["throughput"] = bench_throughput(work, args.mbps, args.exchanges, args.d_model)
     if args.what in ("sites", "all"):
-        report["sites"] = bench_sites(work, args.seconds, args.repeats or 2)
+        report["sites"] = bench_sites(work, args.seconds, args.repeats or 2, args.data, args.lanes)
     (work / f"report_{args.what}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {work / f'report_{args.what}.json'}")
     return 0

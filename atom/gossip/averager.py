@@ -1,0 +1,368 @@
+"""The averager: push-pull exchanges of one unit at a time, and their server side.
+
+Initiator (one background thread): pick a unit (round robin; with diloco only units
+whose H inner steps are done), pick a partner (selection.py), then
+
+    snapshot our unit -> encode -> xreq ......> partner: decode + check, snapshot its unit,
+                                                reply with it (int8: as a delta against
+                                                our request), merge ours into its own
+    xrep <....................................
+    decode + check -> merge theirs into ours
+
+Each side merges only a message it received whole and validated (sizes, fingerprint,
+finite values): a timeout, a dead partner, a truncated or poisoned reply changes
+nothing on our side. A unit takes part in one exchange at a time (`busy` otherwise), so
+two concurrent averages never compound on the same weights. The training thread never
+waits for any of this: merges take the unit's lock for one add + refresh, as long as a
+host-to-device copy of that unit.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from atom.config import ConfigError
+from atom.gossip.codecs import Codec, decode_checked, get_codec, roundtrip
+from atom.gossip.membership import PeerState, PeerTable, ewma
+from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
+from atom.gossip.selection import Selector
+from atom.gossip.status import Counters
+from atom.gossip.transport import Client, Incoming, Reply
+from atom.gossip.wire import Rejected
+
+MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
+
+
+class GossipError(ConfigError):
+    """Joining failed in a way the user must fix (address, firewall, key): one line, exit 2."""
+
+
+class Averager:
+    def __init__(
+        self,
+        params: UnitParams,
+        table: PeerTable,
+        selector: Selector,
+        merge: GossipMerge | DiLoCoMerge,
+        codec: Codec,
+        make_client: Callable[[], Client],
+        counters: Counters,
+        header: Callable[[str, int], dict[str, Any]],
+        weight: Callable[[], float],
+        interval_s: float,
+        timeout_s: float,
+        lanes: int,
+        on_reject: Callable[[Rejected, str], None],
+        plog: logging.LoggerAdapter,
+        stop: threading.Event,
+    ):
+        self.params, self.table, self.selector, self.merge = params, table, selector, merge
+        self.codec, self.make_client, self.counters = codec, make_client, counters
+        self.header, self.weight = header, weight
+        self.interval_s, self.timeout_s, self.lanes = interval_s, timeout_s, lanes
+        self.on_reject, self.log, self.stop = on_reject, plog, stop
+        self.ready = threading.Event()  # set once we hold the group's parameters
+        self.work_s: float | None = None  # our seconds of work per exchange (EWMA)
+        self._busy: set[int] = set()  # units in an exchange (either direction)
+        self._inflight: set[str] = set()  # partners we are exchanging with
+        self._busy_lock = threading.Lock()
+        self._next = 0
+        self._next_start = 0.0  # the lanes share one start rate: interval_s
+        self._served: collections.deque[float] = collections.deque(maxlen=256)
+        self._threads: list[threading.Thread] = []
+        self._local = threading.local()
+        self._clients: list[Client] = []
+
+    @property
+    def client(self) -> Client:
+        """This thread's client (zmq sockets must not cross threads)."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self.make_client()
+            with self._busy_lock:
+                self._clients.append(client)
+        return client
+
+    # ------------------------------------------------------------ bookkeeping
+    def _claim(self, unit: int) -> bool:
+        with self._busy_lock:
+            if unit in self._busy:
+                return False
+            self._busy.add(unit)
+            return True
+
+    def _release(self, unit: int) -> None:
+        with self._busy_lock:
+            self._busy.discard(unit)
+
+    def load(self) -> float:
+        """Exchanges we served per second over the last 10 s (shared in heartbeats)."""
+        now = time.monotonic()
+        return sum(1 for t in self._served if now - t < 10.0) / 10.0
+
+    def _timeout(self, p: PeerState | None, nbytes: int) -> float:
+        bw = 0.5 * p.bw if p is not None and p.bw else MIN_BW
+        return self.timeout_s + 2 * nbytes / max(bw, MIN_BW)
+
+    def _pick_unit(self) -> int | None:
+        units = self.params.units
+        with self._busy_lock:
+            for k in range(len(units)):
+                u = units[(self._next + k) % len(units)]
+                if self.merge.due(u) and u not in self._busy:
+                    self._next = (self._next + k + 1) % len(units)
+                    return u
+        return None
+
+    # ------------------------------------------------------------ initiator
+    def run(self) -> None:
+        """One lane. Lanes run exchanges side by side (never two with one partner or on one
+        unit), so a transfer crawling over a slow link does not stop mixing over the fast
+        ones; together they start at most one exchange per interval_s."""
+        while not self.stop.is_set():
+            with self._busy_lock:
+                now = time.monotonic()
+                start = max(now, self._next_start)
+                self._next_start = start + self.interval_s
+            if self.stop.wait(max(0.0, start - now)):
+                break
+            did = False
+            if self.ready.is_set():
+                try:
+                    did = self.step_once()
+                except Exception:
+                    self.log.exception("exchange failed unexpectedly")
+            if not did:
+                self.stop.wait(0.1)  # nothing to do (no partner, no unit due): look again soon
+
+    def step_once(self) -> bool:
+        unit = self._pick_unit()
+        if unit is None:
+            return False
+        nbytes = self.codec.wire_bytes(self.params.numel(unit))
+        with self._busy_lock:
+            free = [p for p in self.table.candidates() if p.id not in self._inflight]
+        partner = self.selector.choose(free, nbytes)
+        if partner is None:
+            return False
+        return self.exchange(partner, unit)
+
+    def exchange(self, partner: PeerState, unit: int) -> bool:
+        """One push-pull of `unit` with `partner`; True if both halves were applied."""
+        with self._busy_lock:
+            if unit in self._busy or partner.id in self._inflight:
+                return False
+            self._busy.add(unit)
+            self._inflight.add(partner.id)
+        try:
+            return self._exchange(partner, unit)
+        finally:
+            with self._busy_lock:
+                self._busy.discard(unit)
+                self._inflight.discard(partner.id)
+
+    def _exchange(self, partner: PeerState, unit: int) -> bool:
+        t0 = time.monotonic()
+        codec = self.codec
+        n = self.params.numel(unit)
+        snap = self.params.snapshot(unit)
+        metas, buffers = codec.encode(snap)  # may share snap's memory: snap is never written
+        # what the partner will decode: an int8 reply is a delta against exactly that
+        sent = roundtrip(codec, snap) if codec.name == "int8" else snap
+        h = self.header("xreq", self.client.next_rid())
+        h.update(unit=unit, codec=codec.name, weight=self.weight(), tensors=metas, delta=False)
+        work = time.monotonic() - t0
+        nbytes = codec.wire_bytes(n)
+        reply = self.client.request(
+            partner.endpoint,
+            (partner.id, partner.endpoint),
+            h,
+            buffers,
+            self._timeout(partner, 2 * nbytes),
+            abort=lambda: partner.status != "alive",
+        )
+        t_reply = time.monotonic()
+        if reply is None:
+            self.counters.inc("exchange.failed")
+            self.table.failed(partner.id)
+            self.log.debug("exchange of unit %d with %s failed (no valid reply)", unit, partner.id)
+            return False
+        rh = reply.header
+        if rh["from"] != partner.id or rh["kind"] in ("busy", "nack"):
+            self.counters.inc(f"exchange.{'busy' if rh['kind'] == 'busy' else 'refused'}")
+            (self.table.busy if rh["kind"] == "busy" else self.table.failed)(partner.id)
+            return False
+        t1 = time.monotonic()
+        try:
+            if rh["kind"] != "xrep" or rh["unit"] != unit or rh["codec"] != codec.name:
+                raise Rejected("schema", f"answered {rh['kind']} unit {rh.get('unit')} to xreq")
+            remote = decode_checked(codec, rh["tensors"], reply.frames, n)
+            if rh.get("delta"):
+                remote = sent + remote
+                if not bool(torch.isfinite(remote).all()):
+                    raise Rejected("nonfinite", "delta overflows")
+        except Rejected as err:
+            err.sender = partner.id
+            self.on_reject(err, reply.address)
+            self.counters.inc("exchange.failed")
+            return False
+        w_me, w_them = self.weight(), rh["weight"]
+        diff = remote.sub_(snap)
+        disagreement = relative_disagreement(snap, diff)
+        self.merge.merge(unit, snap, diff, w_them / (w_me + w_them))
+        work += time.monotonic() - t1
+        self.work_s = ewma(self.work_s, work)
+        self.table.exchanged(
+            partner.id,
+            nbytes + reply.nbytes,
+            t_reply - t0 - work,
+            rh.get("served", 0.0),
+            disagreement,
+        )
+        self.counters.inc("exchange.ok")
+        self.counters.inc("exchange.bytes", nbytes + reply.nbytes)
+        return True
+
+    # ------------------------------------------------------------ responder
+    def serve_exchange(self, incoming: Incoming) -> Reply:
+        """Server side of xreq (runs on a server worker thread)."""
+        h = incoming.header
+        base = self.header("xrep", h["rid"])
+        if not self.ready.is_set():
+            return _refuse(base, "nack", "joining: no parameters yet")
+        unit = h["unit"]
+        if unit not in self.params.units:
+            raise Rejected("schema", f"unit {unit} owns no parameters")
+        if not self._claim(unit):
+            self.counters.inc("served.busy")
+            return _refuse(base, "busy", "unit in another exchange", unit)
+        try:
+            codec = get_codec(h["codec"])
+            remote = decode_checked(codec, h["tensors"], incoming.frames, self.params.numel(unit))
+            snap = self.params.snapshot(unit)
+            diff = remote.sub_(snap)  # theirs - ours
+            # int8 replies are deltas against the request (small numbers, small rounding);
+            # fp32/bf16 replies are the snapshot itself, which nobody writes again
+            metas, buffers = codec.encode(-diff if codec.name == "int8" else snap)
+        except BaseException:
+            self._release(unit)
+            raise
+        w_me, w_them = self.weight(), h["weight"]
+        base.update(
+            unit=unit, codec=codec.name, weight=w_me, tensors=metas, delta=codec.name == "int8"
+        )
+        base["served"] = time.monotonic() - incoming.received
+
+        def apply() -> None:  # after the reply is on its way: merging is off the critical path
+            try:
+                self.merge.merge(unit, snap, diff, w_them / (w_me + w_them))
+                self.table.served_exchange(h["from"])
+                self._served.append(time.monotonic())
+                self.counters.inc("served.ok")
+            finally:
+                self._release(unit)
+
+        return base, buffers, apply
+
+    def serve_state(self, incoming: Incoming) -> Reply:
+        """Server side of sreq: a joining peer copies one unit, exactly (fp32)."""
+        h = incoming.header
+        base = self.header("srep", h["rid"])
+        if not self.ready.is_set():
+            return _refuse(base, "nack", "joining: no parameters yet")
+        unit = h["unit"]
+        if unit not in self.params.units:
+            raise Rejected("schema", f"unit {unit} owns no parameters")
+        metas, buffers = get_codec("fp32").encode(self.params.snapshot(unit))
+        base.update(unit=unit, codec="fp32", weight=self.weight(), tensors=metas)
+        self.counters.inc("served.state")
+        return base, buffers
+
+    # ------------------------------------------------------------ join
+    def pull_state(
+        self, sources: Callable[[], list[PeerState]], patience_s: float
+    ) -> tuple[int, int, str]:
+        """Copy every unit from ready members (in the caller's thread, before training).
+        A member that fails is skipped for the next; we give up when no member could
+        deliver a unit for patience_s. Returns (step, samples, source id)."""
+        step = samples = None
+        source = ""
+        for unit in self.params.units:
+            deadline = time.monotonic() + patience_s
+            skip: set[str] = set()
+            while True:
+                if self.stop.is_set():
+                    raise GossipError("stopped while joining")
+                if time.monotonic() > deadline:
+                    raise GossipError(
+                        f"could not download unit {unit} from any member within {patience_s:.0f}s"
+                    )
+                ready = [p for p in sources() if p.id not in skip]
+                if not ready:  # everyone failed once (or nobody is ready): wait, then retry all
+                    skip.clear()
+                    self.stop.wait(0.5)
+                    continue
+                p = ready[0]
+                got = self._pull_unit(p, unit)
+                if got is None:
+                    skip.add(p.id)
+                    continue
+                if step is None:
+                    step, samples, source = got[0], got[1], p.id
+                break
+        return step or 0, samples or 0, source
+
+    def _pull_unit(self, p: PeerState, unit: int) -> tuple[int, int] | None:
+        h = self.header("sreq", self.client.next_rid())
+        h["unit"] = unit
+        n = self.params.numel(unit)
+        reply = self.client.request(p.endpoint, (p.id, p.endpoint), h, [], self._timeout(p, 4 * n))
+        if reply is None or reply.header["kind"] != "srep":
+            self.log.info("%s could not serve unit %d; trying another member", p.id, unit)
+            return None
+        rh = reply.header
+        try:
+            if rh["unit"] != unit or rh["codec"] != "fp32":
+                raise Rejected("schema", "state reply for another unit or codec")
+            values = decode_checked(get_codec("fp32"), rh["tensors"], reply.frames, n)
+        except Rejected as err:
+            err.sender = p.id
+            self.on_reject(err, reply.address)
+            return None
+        self.params.load(unit, values)
+        return rh["step"], rh["samples"]
+
+    # ------------------------------------------------------------ thread
+    def start(self) -> None:
+        self._threads = [
+            threading.Thread(target=self.run, name=f"atom-gossip-lane-{i}", daemon=True)
+            for i in range(self.lanes)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def join(self, timeout: float = 10.0) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+    def close_clients(self) -> None:
+        """After the lanes have stopped: close every thread's sockets."""
+        with self._busy_lock:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            c.close()
+
+
+def _refuse(header: dict[str, Any], kind: str, reason: str, unit: int | None = None) -> Reply:
+    header["kind"] = kind
+    header["reason"] = reason
+    if kind == "busy":
+        header["unit"] = unit or 0
+    return header, []

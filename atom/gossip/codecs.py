@@ -1,0 +1,141 @@
+"""Tensor codecs on the wire, behind one interface (encode / decode / wire_bytes).
+
+    fp32  raw float32: exact
+    bf16  raw bfloat16: half the bytes; ~3 significant digits, unbiased rounding
+    int8  blockwise absmax int8 (BLOCK elements share one fp32 scale): ~0.27x the bytes.
+          The averager sends a request as values and the reply as the *delta* against
+          the request it answers, so the reply's rounding error scales with how far the
+          two peers disagree, not with the size of the weights.
+
+Encoding always produces fresh buffers that nobody writes afterwards: they go out with
+copy=False (zero-copy) and zmq may still be reading them after send returns
+(FIELD_NOTES.md: never reuse a buffer before its frame is done). Decoding copies out of
+the received frames into a new fp32 tensor and rejects non-finite values, wrong dtypes
+and wrong sizes. Byte order is little-endian, as on every host torch supports.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from atom.gossip.wire import Rejected
+
+BLOCK = 64
+
+
+def _buffer(frame: Any) -> memoryview:
+    """A read-only view of a received frame (zmq.Frame) or of any bytes-like object."""
+    return memoryview(getattr(frame, "buffer", frame))
+
+
+def _expect(metas: list[dict], dtypes: list[tuple[str, int]], codec: str) -> None:
+    got = [(m["dtype"], m["n"]) for m in metas]
+    if got != dtypes:
+        raise Rejected("schema", f"{codec} expects tensors {dtypes}, got {got}")
+
+
+class Codec:
+    name = ""
+
+    def encode(self, x: torch.Tensor) -> tuple[list[dict], list[Any]]:
+        """(tensor metas for the header, buffers to send) for a flat fp32 tensor. The
+        buffers may share x's memory: x must not be written afterwards."""
+        raise NotImplementedError
+
+    def decode(self, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+        """A new flat fp32 tensor of n elements; raises Rejected on anything unexpected."""
+        raise NotImplementedError
+
+    def wire_bytes(self, n: int) -> int:
+        raise NotImplementedError
+
+
+class Fp32Codec(Codec):
+    name = "fp32"
+
+    def encode(self, x: torch.Tensor) -> tuple[list[dict], list[Any]]:
+        # no copy: the caller hands over a tensor nobody writes again (a snapshot)
+        arr = x.detach().to(torch.float32).contiguous().numpy()
+        return [{"dtype": "f32", "n": arr.size}], [arr]
+
+    def decode(self, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+        _expect(metas, [("f32", n)], self.name)
+        out = torch.empty(n, dtype=torch.float32)
+        out.numpy()[:] = np.frombuffer(_buffer(frames[0]), dtype="<f4", count=n)
+        return out
+
+    def wire_bytes(self, n: int) -> int:
+        return 4 * n
+
+
+class Bf16Codec(Codec):
+    name = "bf16"
+
+    def encode(self, x: torch.Tensor) -> tuple[list[dict], list[Any]]:
+        arr = x.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        return [{"dtype": "bf16", "n": arr.size}], [arr]
+
+    def decode(self, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+        _expect(metas, [("bf16", n)], self.name)
+        raw = np.frombuffer(_buffer(frames[0]), dtype="<i2", count=n).copy()
+        return torch.from_numpy(raw).view(torch.bfloat16).float()
+
+    def wire_bytes(self, n: int) -> int:
+        return 2 * n
+
+
+class Int8Codec(Codec):
+    name = "int8"
+
+    def encode(self, x: torch.Tensor) -> tuple[list[dict], list[Any]]:
+        n = x.numel()
+        nb = -(-n // BLOCK)
+        padded = torch.zeros(nb * BLOCK, dtype=torch.float32)
+        padded[:n] = x.detach().reshape(-1)
+        blocks = padded.view(nb, BLOCK)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+        q_arr = q.view(-1)[:n].contiguous().numpy()
+        s_arr = scale.contiguous().numpy()
+        return [{"dtype": "i8", "n": n}, {"dtype": "f32", "n": nb}], [q_arr, s_arr]
+
+    def decode(self, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+        nb = -(-n // BLOCK)
+        _expect(metas, [("i8", n), ("f32", nb)], self.name)
+        q = torch.zeros(nb * BLOCK, dtype=torch.float32)
+        q[:n] = torch.from_numpy(np.frombuffer(_buffer(frames[0]), dtype=np.int8, count=n).copy())
+        scale = torch.from_numpy(np.frombuffer(_buffer(frames[1]), dtype="<f4", count=nb).copy())
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise Rejected("nonfinite", "int8 block scales must be finite and >= 0")
+        return (q.view(nb, BLOCK) * scale[:, None]).view(-1)[:n].clone()
+
+    def wire_bytes(self, n: int) -> int:
+        return n + 4 * (-(-n // BLOCK))
+
+
+CODECS: dict[str, Codec] = {c.name: c for c in (Fp32Codec(), Bf16Codec(), Int8Codec())}
+
+
+def get_codec(name: str) -> Codec:
+    return CODECS[name]
+
+
+def decode_checked(codec: Codec, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+    """decode + the finiteness check every received tensor must pass."""
+    out = codec.decode(metas, frames, n)
+    # one reduction instead of a boolean copy; a sum that overflows gets the full check
+    if not math.isfinite(float(out.sum())) and not bool(torch.isfinite(out).all()):
+        raise Rejected("nonfinite", "tensor holds NaN or Inf")
+    return out
+
+
+def roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+    """What the receiver of codec.encode(x) will decode: lets a sender reconstruct a reply
+    that is a delta against its own (rounded) request."""
+    metas, bufs = codec.encode(x)
+    return codec.decode(metas, bufs, x.numel())

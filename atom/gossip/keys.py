@@ -1,0 +1,192 @@
+"""Group keys: CURVE (zmq.auth) so that only allow-listed peers reach the averager.
+
+The scheme (`atom keygen DIR --peers alice,bob,carol`):
+
+    DIR/group.key, group.key_secret   the group's server keypair, shared by all members:
+                                      every peer's ROUTER serves with it, so a peer can
+                                      dial any member knowing only its address
+    DIR/allowed/NAME.key              each peer's own public key: the allow-list
+    DIR/NAME/                         the bundle to copy to peer NAME's machine:
+        group.key_secret, NAME.key_secret (its own client keypair), allowed/ (all public keys)
+
+A connection is accepted only when the client proves it holds a secret key whose public
+half is in allowed/ (ZAP, checked by ThreadAuthenticator before any message is
+delivered). Adding a peer later (`atom keygen DIR --peers dave`) writes dave's bundle and
+his public key into every bundle's allowed/; running peers re-read allowed/ when it
+changes. To revoke a peer, delete its key from allowed/ everywhere and make a new group
+(its copy of the group secret could otherwise impersonate a server).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from atom.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+GROUP = "group"
+
+
+@dataclass(frozen=True)
+class GroupKeys:
+    name: str  # this peer's name (its key file's stem)
+    group_public: bytes
+    group_secret: bytes
+    public: bytes
+    secret: bytes
+    allowed_dir: Path
+
+    @property
+    def group_id(self) -> str:
+        return "key:" + hashlib.sha256(self.group_public).hexdigest()[:16]
+
+
+def _private(path: Path) -> None:
+    os.chmod(path, 0o600)
+
+
+def keygen(out: Path, names: list[str]) -> list[Path]:
+    """Create (or extend) a group in `out`; returns the new peers' bundle directories."""
+    out = Path(out)
+    bad = [n for n in names if n == GROUP or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", n)]
+    if bad or not names:
+        raise ConfigError(f"peer names are 1-64 of A-Z a-z 0-9 _ - (not 'group'); got {bad}")
+    if len(set(names)) != len(names):
+        raise ConfigError("peer names must be unique")
+    allowed = out / "allowed"
+    for name in names:
+        if (allowed / f"{name}.key").exists():
+            raise ConfigError(f"peer {name!r} already exists in {out}; choose another name")
+    allowed.mkdir(parents=True, exist_ok=True)
+    if not (out / f"{GROUP}.key_secret").exists():
+        _, secret = zmq.auth.create_certificates(str(out), GROUP)
+        _private(Path(secret))
+    secrets = out / "secrets"
+    secrets.mkdir(exist_ok=True)
+    for name in names:
+        public, secret = zmq.auth.create_certificates(str(secrets), name)
+        _private(Path(secret))
+        shutil.copy(public, allowed / f"{name}.key")
+    bundles = []
+    for entry in sorted(p for p in out.iterdir() if p.is_dir() and (p / "allowed").is_dir()):
+        _copy_allowed(allowed, entry / "allowed")  # existing bundles learn the new keys
+    for name in names:
+        bundle = out / name
+        bundle.mkdir()
+        shutil.copy(out / f"{GROUP}.key_secret", bundle / f"{GROUP}.key_secret")
+        shutil.copy(secrets / f"{name}.key_secret", bundle / f"{name}.key_secret")
+        for f in bundle.glob("*.key_secret"):
+            _private(f)
+        _copy_allowed(allowed, bundle / "allowed")
+        bundles.append(bundle)
+    return bundles
+
+
+def _copy_allowed(src: Path, dst: Path) -> None:
+    dst.mkdir(exist_ok=True)
+    for key in src.glob("*.key"):
+        shutil.copy(key, dst / key.name)
+
+
+def load_bundle(path: str | Path) -> GroupKeys:
+    """Read a bundle made by keygen; ConfigError naming the problem otherwise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"group key {path} is not a directory; make one with `atom keygen`")
+    group_file = path / f"{GROUP}.key_secret"
+    own = [p for p in path.glob("*.key_secret") if p.name != group_file.name]
+    if not group_file.exists() or len(own) != 1 or not (path / "allowed").is_dir():
+        raise ConfigError(
+            f"{path} is not a peer bundle (want group.key_secret, one NAME.key_secret and "
+            "allowed/); pass a DIR/NAME directory made by `atom keygen`"
+        )
+    try:
+        group_public, group_secret = zmq.auth.load_certificate(str(group_file))
+        public, secret = zmq.auth.load_certificate(str(own[0]))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read keys in {path}: {err}") from None
+    if not group_secret or not secret:
+        raise ConfigError(f"{path}: a key_secret file holds no secret key; re-run atom keygen")
+    return GroupKeys(
+        name=own[0].name.removesuffix(".key_secret"),
+        group_public=group_public,
+        group_secret=group_secret,
+        public=public,
+        secret=secret,
+        allowed_dir=path / "allowed",
+    )
+
+
+class AllowList:
+    """ZAP credentials provider: is this client's public key in allowed/? Re-reads the
+    directory when it changes (at most once a second) so a new member needs no restart."""
+
+    def __init__(self, allowed_dir: Path, on_denied: Callable[[str], None]):
+        self.dir = allowed_dir
+        self.on_denied = on_denied
+        self._keys: set[bytes] = set()
+        self._stamp: tuple = ()
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        self._reload()
+
+    def _reload(self) -> None:
+        files = sorted(self.dir.glob("*.key"))
+        stamp = tuple((f.name, f.stat().st_mtime_ns) for f in files)
+        if stamp == self._stamp:
+            return
+        keys = set()
+        for f in files:
+            try:
+                public, _ = zmq.auth.load_certificate(str(f))
+                keys.add(public)
+            except (OSError, ValueError):
+                log.warning("skipping unreadable public key %s", f)
+        self._keys, self._stamp = keys, stamp
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        with self._lock:
+            if time.monotonic() - self._checked > 1.0:
+                self._checked = time.monotonic()
+                self._reload()
+            ok = key in self._keys
+        if not ok:
+            self.on_denied(key.decode("ascii", "replace"))
+        return ok
+
+
+def start_authenticator(
+    ctx: zmq.Context, keys: GroupKeys, on_denied: Callable[[str], None]
+) -> ThreadAuthenticator:
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("atom.gossip.zap"))
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=AllowList(keys.allowed_dir, on_denied))
+    return auth
+
+
+def secure_server(sock: zmq.Socket, keys: GroupKeys | None) -> None:
+    if keys is not None:
+        sock.curve_secretkey = keys.group_secret
+        sock.curve_publickey = keys.group_public
+        sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, keys: GroupKeys | None) -> None:
+    if keys is not None:
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_serverkey = keys.group_public

@@ -1,0 +1,373 @@
+"""Membership: who is in the group, alive, ready, and how good the link to each one is.
+
+Liveness is first-hand only: a peer is alive while *it* has talked to us (a pong, a
+request, a reply) within dead_after_s. Peer lists heard from others only introduce new
+names; we then ping them ourselves. That is what keeps one group on a LAN: every member
+pings every member it knows of, and everyone a member knows of is listed in its pings,
+so knowledge spreads to all within a few heartbeats and two halves that learn of each
+other merge. A dead peer stays in the table and is pinged again every few heartbeats
+(it may come back); one that said goodbye is tombstoned for that incarnation so stale
+lists cannot resurrect it, while a restart (new incarnation) is welcome at once.
+
+Link measurements (EWMA): round-trip time from pings, bandwidth from a probe at first
+contact and then from every real exchange. They are shared in heartbeats, so each side
+sees both directions of a link (GWTF's cost uses bw_ij + bw_ji).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from atom.gossip.transport import Client, Incoming
+from atom.gossip.wire import MAX_LISTED
+
+EWMA = 0.3  # weight of a new link measurement
+FORGET_AFTER_S = 600.0  # drop dead peers from the table (seeds are still retried)
+
+
+def ewma(old: float | None, new: float, alpha: float = EWMA) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+@dataclass
+class PeerState:
+    id: str
+    endpoint: str
+    incarnation: int
+    first_seen: float = field(default_factory=time.monotonic)
+    status: str = "alive"  # alive | dead | left
+    ready: bool = False  # has its parameters (joined); only ready peers are partners
+    step: int = 0
+    samples: int = 0
+    last_heard: float | None = None  # last direct message from it
+    bw: float | None = None  # bytes/s, measured by us
+    rtt: float | None = None  # seconds, measured by us
+    their_links: dict[str, tuple[float, float]] = field(default_factory=dict)
+    served: float | None = None  # its seconds of work per exchange it serves (it reports)
+    load: float = 0.0  # exchanges per second it serves (it reports)
+    last_exchange: float | None = None
+    exchanges: int = 0
+    failures: int = 0  # consecutive
+    backoff_until: float = 0.0
+    drift: float | None = None  # relative disagreement per second of not mixing (EWMA)
+    probed: bool = False
+    next_ping: float = 0.0  # dead peers are pinged again from this time
+
+
+class PeerTable:
+    """All state about other peers, behind one lock (read by the averager, the server's
+    threads and the heartbeat thread)."""
+
+    def __init__(self, me: str, dead_after: float, penalty_s: float):
+        self.me = me
+        self.dead_after = dead_after
+        self.penalty_s = penalty_s
+        self.lock = threading.RLock()
+        self.peers: dict[str, PeerState] = {}
+        self.penalties: dict[str, float] = {}  # id -> monotonic time it may be chosen again
+        self.tombstones: dict[str, int] = {}  # id -> incarnation that said goodbye
+
+    # ------------------------------------------------------------ updates
+    def heard(self, h: dict[str, Any]) -> PeerState | None:
+        """A validated header straight from its sender: it is alive, at this step."""
+        pid = h["from"]
+        if pid == self.me:
+            return None
+        now = time.monotonic()
+        with self.lock:
+            if self.tombstones.get(pid) == h["inc"]:
+                return None  # a late message from a peer that already said goodbye
+            p = self.peers.get(pid)
+            if p is None or p.incarnation != h["inc"]:
+                # new, or restarted: its old measurements describe another process
+                p = self.peers[pid] = PeerState(pid, h["ep"], h["inc"])
+                self.tombstones.pop(pid, None)
+            p.endpoint, p.status, p.last_heard = h["ep"], "alive", now
+            p.ready, p.step, p.samples = h["ready"], h["step"], h["samples"]
+            if "load" in h:
+                p.load = h["load"]
+            if h.get("served"):
+                p.served = h["served"]
+            for lid, bw, rtt in h.get("links", []):
+                p.their_links[lid] = (bw, rtt)
+            for rec in h.get("peers", []):
+                self._introduce(rec)
+            return p
+
+    def _introduce(self, rec: dict[str, Any]) -> None:
+        pid = rec["id"]
+        if pid == self.me or pid in self.peers or self.tombstones.get(pid) == rec["inc"]:
+            return
+        p = PeerState(pid, rec["ep"], rec["inc"], status="dead", ready=rec["ready"])
+        p.step = rec["step"]
+        self.peers[pid] = p  # "dead" until it answers our own ping
+
+    def left(self, pid: str, inc: int) -> None:
+        with self.lock:
+            p = self.peers.get(pid)
+            if p is not None and p.incarnation == inc:
+                p.status, p.ready = "left", False
+            self.tombstones[pid] = inc
+
+    def rtt_sample(self, pid: str, seconds: float) -> None:
+        with self.lock:
+            if pid in self.peers:
+                self.peers[pid].rtt = ewma(self.peers[pid].rtt, seconds)
+
+    def bw_sample(self, pid: str, bytes_per_s: float) -> None:
+        with self.lock:
+            if pid in self.peers:
+                self.peers[pid].bw = ewma(self.peers[pid].bw, bytes_per_s)
+
+    def exchanged(
+        self, pid: str, nbytes: int, seconds: float, served: float, disagreement: float
+    ) -> None:
+        """A successful exchange: link speed and how far apart we had drifted."""
+        now = time.monotonic()
+        with self.lock:
+            p = self.peers.get(pid)
+            if p is None:
+                return
+            link_time = seconds - (p.rtt or 0.0) - served
+            if link_time > 1e-4:
+                p.bw = ewma(p.bw, nbytes / link_time)
+            p.served = ewma(p.served, served)
+            since = now - (p.last_exchange if p.last_exchange is not None else p.first_seen)
+            p.drift = ewma(p.drift, disagreement / max(since, 1e-3))
+            p.last_exchange, p.exchanges, p.failures, p.backoff_until = now, p.exchanges + 1, 0, 0.0
+
+    def served_exchange(self, pid: str) -> None:
+        """The other direction: it exchanged with us (counts as mixing for selection)."""
+        with self.lock:
+            p = self.peers.get(pid)
+            if p is not None:
+                p.last_exchange = time.monotonic()
+
+    def failed(self, pid: str) -> None:
+        """Timeout or refusal: back off exponentially (0.5 s .. 30 s), then try again."""
+        with self.lock:
+            p = self.peers.get(pid)
+            if p is not None:
+                p.failures += 1
+                p.backoff_until = time.monotonic() + min(30.0, 0.5 * 2 ** (p.failures - 1))
+
+    def busy(self, pid: str) -> None:
+        with self.lock:
+            p = self.peers.get(pid)
+            if p is not None:
+                p.backoff_until = time.monotonic() + 0.2
+
+    def penalise(self, pid: str) -> None:
+        with self.lock:
+            self.penalties[pid] = time.monotonic() + self.penalty_s
+
+    def sweep(self) -> list[str]:
+        """Mark peers we have not heard from as dead; returns the newly dead ids."""
+        now = time.monotonic()
+        newly = []
+        with self.lock:
+            for pid, p in list(self.peers.items()):
+                if p.status == "alive" and (
+                    p.last_heard is None or now - p.last_heard > self.dead_after
+                ):
+                    p.status, p.ready = "dead", False
+                    newly.append(pid)
+                heard = p.last_heard if p.last_heard is not None else p.first_seen
+                if p.status != "alive" and now - heard > FORGET_AFTER_S:
+                    del self.peers[pid]
+        return newly
+
+    # ------------------------------------------------------------ queries
+    def get(self, pid: str) -> PeerState | None:
+        with self.lock:
+            return self.peers.get(pid)
+
+    def alive(self) -> list[PeerState]:
+        with self.lock:
+            return [p for p in self.peers.values() if p.status == "alive"]
+
+    def candidates(self) -> list[PeerState]:
+        """Peers we may exchange with now: alive, ready, not backing off, not penalised."""
+        now = time.monotonic()
+        with self.lock:
+            return [
+                p
+                for p in self.peers.values()
+                if p.status == "alive"
+                and p.ready
+                and now >= p.backoff_until
+                and now >= self.penalties.get(p.id, 0.0)
+            ]
+
+    def ping_targets(self, retry_dead_every: float) -> list[PeerState]:
+        """Alive peers every heartbeat; dead ones (and introduced ones) now and then."""
+        now = time.monotonic()
+        with self.lock:
+            out = []
+            for p in self.peers.values():
+                if p.status == "alive":
+                    out.append(p)
+                elif p.status == "dead" and now >= p.next_ping:
+                    p.next_ping = now + retry_dead_every
+                    out.append(p)
+            return out
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Alive peers, for our heartbeats (first-hand knowledge only)."""
+        with self.lock:
+            return [
+                {
+                    "id": p.id,
+                    "ep": p.endpoint,
+                    "inc": p.incarnation,
+                    "step": p.step,
+                    "ready": p.ready,
+                }
+                for p in self.peers.values()
+                if p.status == "alive"
+            ][: MAX_LISTED - 1]
+
+    def links(self) -> list[list]:
+        with self.lock:
+            return [
+                [p.id, p.bw or 0.0, p.rtt or 0.0]
+                for p in self.peers.values()
+                if p.status == "alive" and (p.bw or p.rtt)
+            ][:MAX_LISTED]
+
+    def rows(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self.lock:
+            return [
+                {
+                    "id": p.id,
+                    "endpoint": p.endpoint,
+                    "status": p.status,
+                    "ready": p.ready,
+                    "step": p.step,
+                    "bw": p.bw,
+                    "rtt": p.rtt,
+                    "last_exchange_s": None if p.last_exchange is None else now - p.last_exchange,
+                    "exchanges": p.exchanges,
+                    "failures": p.failures,
+                    "penalised": now < self.penalties.get(p.id, 0.0),
+                }
+                for p in sorted(self.peers.values(), key=lambda q: q.id)
+            ]
+
+
+class Membership:
+    """The heartbeat thread: ping everyone known (and the seeds), probe new links, sweep."""
+
+    def __init__(
+        self,
+        table: PeerTable,
+        client: Client,
+        header: Callable[[str, int], dict[str, Any]],
+        seeds: list[str],
+        heartbeat_s: float,
+        probe_bytes: int,
+        plog: logging.LoggerAdapter,
+        stop: threading.Event,
+        on_tick: Callable[[], None],
+    ):
+        self.table, self.client, self.header = table, client, header
+        self.seeds = list(seeds)
+        self.heartbeat_s = heartbeat_s
+        self.probe_bytes = probe_bytes
+        self.log, self.stop, self.on_tick = plog, stop, on_tick
+        self._thread: threading.Thread | None = None
+
+    def ping_header(self, kind: str = "ping") -> dict[str, Any]:
+        h = self.header(kind, self.client.next_rid())
+        h["peers"] = self.table.listing()
+        h["links"] = self.table.links()
+        return h
+
+    def ping_round(self, timeout: float | None = None) -> list[PeerState]:
+        """Ping every target once (seeds whose owner we do not know yet too); returns the
+        peers that answered."""
+        targets = self.table.ping_targets(retry_dead_every=3 * self.heartbeat_s)
+        by_endpoint = {p.endpoint: p for p in targets}  # one ping per endpoint
+        known = {p.endpoint for p in self.table.alive()} | set(by_endpoint)
+        items = [(ep, (p.id, ep), self.ping_header(), []) for ep, p in by_endpoint.items()]
+        items += [(ep, (ep,), self.ping_header(), []) for ep in self.seeds if ep not in known]
+        sent = time.monotonic()
+        replies = self.client.request_many(items, timeout or max(0.5, self.heartbeat_s))
+        answered = []
+        for reply in replies.values():
+            if reply is None or reply.header["kind"] != "pong":
+                continue
+            p = self.table.heard(reply.header)
+            if p is not None:
+                self.table.rtt_sample(p.id, reply.received - sent)
+                answered.append(p)
+        return answered
+
+    def probe(self, p: PeerState) -> None:
+        """One bandwidth sample from a probe of probe_bytes: time minus the round trip."""
+        p.probed = True
+        payload = bytes(self.probe_bytes)
+        h = self.header("probe", self.client.next_rid())
+        h["tensors"] = [{"dtype": "u8", "n": len(payload)}]
+        t0 = time.monotonic()
+        reply = self.client.request(p.endpoint, (p.id, p.endpoint), h, [payload], timeout=5.0)
+        if reply is None or reply.header["kind"] != "ack":
+            return
+        link = (reply.received - t0) - (p.rtt or 0.0)
+        if link > 1e-4:
+            self.table.bw_sample(p.id, len(payload) / link)
+
+    def tick(self) -> None:
+        self.ping_round()
+        for p in self.table.alive():
+            if not p.probed and not self.stop.is_set():
+                self.probe(p)
+                break  # one probe per heartbeat keeps a tick short
+        for pid in self.table.sweep():
+            self.log.warning("peer %s stopped answering: skipped, retried later", pid)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+                self.on_tick()
+            except Exception:
+                self.log.exception("heartbeat failed")
+            self.stop.wait(max(0.05, self.heartbeat_s - (time.monotonic() - started)))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="atom-gossip-heartbeat", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def goodbye(self, client: Client, timeout: float = 1.0) -> int:
+        """Tell every alive peer we are leaving; returns how many acknowledged."""
+        items = [
+            (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid()), [])
+            for p in self.table.alive()
+        ]
+        if not items:
+            return 0
+        replies = client.request_many(items, timeout)
+        return sum(1 for r in replies.values() if r is not None)
+
+
+def handle_control(table: PeerTable, incoming: Incoming) -> str | None:
+    """Server side of ping / probe / bye: update the table; the reply kind to send."""
+    h = incoming.header
+    kind = h["kind"]
+    if kind == "bye":
+        table.left(h["from"], h["inc"])
+        return "ack"
+    table.heard(h)
+    return {"ping": "pong", "probe": "ack"}.get(kind)

@@ -1,0 +1,129 @@
+"""What a completed exchange does to a unit's fp32 master weights.
+
+UnitParams is the averager's only door into the engine: per unit, a snapshot (a copy
+taken under the unit's lock) and `add` (master += delta under the lock, then
+refresh_compute so the copy that crosses the bus and any tied alias follow). The host
+optimizer and the H2D copy thread take the same lock, so a merge lands between two
+optimizer updates of the unit and never under a copy in flight.
+
+Both strategies are *delta-preserving*: the change is computed against the snapshot we
+sent, and added to whatever master holds by then, so optimizer steps taken while the
+exchange was on the wire are kept, not overwritten.
+
+    gossip  x += beta * (remote - snapshot), beta = w_remote / (w_local + w_remote):
+            the weighted pairwise mean (weights = samples trained on).
+    diloco  every H inner steps a unit takes an outer step: the pairwise mean is the
+            target, g = outer - target is the pseudo-gradient, outer Nesterov SGD
+            (m = mu m + g; outer -= lr (g + mu m)) and x = outer + local progress. Both
+            ends of an exchange take the step. With lr 1, mu 0 it is plain gossip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.gossip.wire import fingerprint
+
+
+class UnitParams:
+    """The units of a SwapEngine's host store that own parameters."""
+
+    def __init__(self, engine) -> None:
+        self.store = engine.store
+        self.buffers = engine.store.buffers
+        self.n_units = len(self.buffers)
+        # the tied head owns nothing but its final norm; a unit owning nothing is skipped
+        self.units = [i for i, b in enumerate(self.buffers) if b.spec.n_owned > 0]
+        self.fingerprint = fingerprint(
+            (b.spec.index, [(p.full_name, p.shape) for p in b.spec.owned]) for b in self.buffers
+        )
+
+    def numel(self, unit: int) -> int:
+        return self.buffers[unit].spec.n_owned
+
+    def total_numel(self) -> int:
+        return sum(self.numel(u) for u in self.units)
+
+    def snapshot(self, unit: int) -> torch.Tensor:
+        buf = self.buffers[unit]
+        with buf.lock:
+            return buf.master.clone()
+
+    def add(self, unit: int, delta: torch.Tensor) -> None:
+        buf = self.buffers[unit]
+        with buf.lock:
+            buf.master.add_(delta)
+            self.store.refresh_compute(unit)
+
+    def load(self, unit: int, values: torch.Tensor) -> None:
+        buf = self.buffers[unit]
+        with buf.lock:
+            buf.master.copy_(values)
+            self.store.refresh_compute(unit)
+
+
+def relative_disagreement(local: torch.Tensor, diff: torch.Tensor) -> float:
+    """|remote - local|^2 / |local|^2: scale-free, comparable across units."""
+    return float(torch.dot(diff, diff)) / max(float(torch.dot(local, local)), 1e-20)
+
+
+class GossipMerge:
+    name = "gossip"
+
+    def __init__(self, params: UnitParams):
+        self.params = params
+
+    step = 0
+
+    def due(self, unit: int) -> bool:
+        return True
+
+    def reset(self) -> None:
+        pass
+
+    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float) -> None:
+        """diff = remote - snap (consumed: scaled in place)."""
+        self.params.add(unit, diff.mul_(beta))
+
+
+class DiLoCoMerge:
+    """Decentralised DiLoCo. Costs two fp32 copies of the model (outer weights, momentum)."""
+
+    name = "diloco"
+
+    def __init__(self, params: UnitParams, inner_steps: int, lr: float, momentum: float):
+        self.params = params
+        self.inner_steps = inner_steps
+        self.lr = lr
+        self.mu = momentum
+        self.outer: dict[int, torch.Tensor] = {}
+        self.momentum: dict[int, torch.Tensor] = {}
+        self.last_outer_step: dict[int, int] = {}
+        self.step = 0  # the trainer's step, set by the peer after every optimizer step
+        self.reset()
+
+    def reset(self) -> None:
+        """The current weights become the outer weights (at start, and after a join pull)."""
+        for u in self.params.units:
+            self.outer[u] = self.params.snapshot(u)
+            self.momentum[u] = torch.zeros_like(self.outer[u])
+            self.last_outer_step[u] = self.step
+
+    def due(self, unit: int) -> bool:
+        return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
+
+    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float) -> None:
+        # called with the unit claimed by exactly one exchange, so its state is ours
+        target = snap + beta * diff
+        g = self.outer[unit] - target  # pseudo-gradient
+        m = self.momentum[unit].mul_(self.mu).add_(g)
+        new_outer = self.outer[unit] - self.lr * (g + self.mu * m)
+        self.params.add(unit, new_outer - snap)
+        self.outer[unit] = new_outer
+        self.last_outer_step[unit] = self.step
+
+
+def make_merge(strategy: str, params: UnitParams, gcfg) -> GossipMerge | DiLoCoMerge:
+    if strategy == "diloco":
+        return DiLoCoMerge(params, gcfg.diloco_steps, gcfg.outer_lr, gcfg.outer_momentum)
+    return GossipMerge(params)

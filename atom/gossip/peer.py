@@ -1,0 +1,404 @@
+"""GossipPeer: one peer of a group, wired to a SwapEngine; the Trainer's hooks.
+
+    peer = attach_gossip(cfg, engine, run_dir, start_step)   # listen, join, pull state
+    ... train; peer.after_step(step) after every optimizer step ...
+    peer.close()                                             # goodbye, threads, sockets
+
+Threads: the server's I/O thread and its workers (transport.py), the heartbeat thread
+(membership.py), the averager (averager.py). Each owns its own sockets; they share the
+PeerTable, the counters and this object's step. Shutdown stops the threads first, then
+says goodbye (so no exchange is half done), then closes every socket with LINGER 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from atom.config import Config, ConfigError
+from atom.gossip.averager import Averager, GossipError
+from atom.gossip.codecs import get_codec
+from atom.gossip.keys import GroupKeys, load_bundle, start_authenticator
+from atom.gossip.membership import Membership, PeerState, PeerTable, handle_control
+from atom.gossip.merge import UnitParams, make_merge
+from atom.gossip.selection import make_selector
+from atom.gossip.settings import GossipConfig, endpoint_host, is_loopback, parse_rates
+from atom.gossip.shaping import LinkShaper
+from atom.gossip.status import Counters, LogLimiter, PeerLog, write_status
+from atom.gossip.transport import Client, Incoming, Reply, Server
+from atom.gossip.wire import PROTOCOL, Expect, Rejected
+
+log = logging.getLogger(__name__)
+SUMMARY_EVERY_S = 60.0  # a one-line view of the group in the log (atom peers has the table)
+
+
+def default_name() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40] or "peer"
+    return f"{host}-{secrets.token_hex(2)}"
+
+
+def _lan_address() -> str:
+    """This machine's address on its default route (a UDP connect sends no packet)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def advertised(bound: str) -> str:
+    host = endpoint_host(bound)
+    if host in ("0.0.0.0", "::", "*"):
+        return bound.replace(host, _lan_address(), 1)
+    return bound
+
+
+class GossipPeer:
+    def __init__(
+        self,
+        gcfg: GossipConfig,
+        params: UnitParams,
+        run_dir: Path | None = None,
+        start_step: int = 0,
+        samples_per_step: int = 1,
+    ):
+        if not gcfg.enabled:
+            raise ConfigError("gossip needs gossip.listen (--listen tcp://HOST:PORT)")
+        self.cfg = gcfg
+        self.params = params
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.keys: GroupKeys | None = load_bundle(gcfg.group_key) if gcfg.group_key else None
+        self.id = gcfg.name or (self.keys.name if self.keys else default_name())
+        self.incarnation = secrets.randbits(62)
+        self.group = self.keys.group_id if self.keys else f"open:{gcfg.group}"[:64]
+        self.log = PeerLog(log, {"peer": self.id})
+        self.limiter = LogLimiter(self.log)
+        largest = max(params.numel(u) for u in params.units)
+        self.max_bytes = (
+            int(gcfg.max_message_mb * 2**20)
+            if gcfg.max_message_mb > 0
+            else int(1.25 * 4 * largest) + 2**20
+        )
+        self.expect = Expect(self.group, params.fingerprint, params.n_units)
+        self.step = self.base_step = start_step
+        self.samples_per_step = samples_per_step
+        self.base_samples = start_step * samples_per_step
+        self.joined_from = ""
+        self.counters = Counters()
+        self.stop = threading.Event()  # background loops and their network waits
+        self.ctx = zmq.Context()
+        self.auth = None
+        self.shaper = LinkShaper(gcfg.link_mbps, parse_rates(gcfg.link_mbps_to))
+        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s)
+        self.merge = make_merge(gcfg.strategy, params, gcfg)
+        self.selector = make_selector(
+            gcfg.selection, self.id, gcfg.explore, my_work=lambda: self.averager.work_s or 0.0
+        )
+        self._heartbeat_client = self._client(self.stop)
+        self.averager = Averager(
+            params,
+            self.table,
+            self.selector,
+            self.merge,
+            get_codec(gcfg.codec),
+            lambda: self._client(self.stop),
+            self.counters,
+            self._header,
+            self.weight,
+            gcfg.interval_s,
+            gcfg.timeout_s,
+            gcfg.lanes,
+            self._on_reject,
+            self.log,
+            self.stop,
+        )
+        probe = min(gcfg.probe_kb * 1024, self.max_bytes // 2)
+        self.membership = Membership(
+            self.table,
+            self._heartbeat_client,
+            self._header,
+            gcfg.seeds,
+            gcfg.heartbeat_s,
+            probe,
+            self.log,
+            self.stop,
+            self.write_status,
+        )
+        self.server: Server | None = None
+        self.endpoint = ""
+        self.closed = False
+        self._status_lock = threading.Lock()
+        self._last_summary = time.monotonic()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
+
+    # ------------------------------------------------------------ plumbing
+    def _client(self, stop: threading.Event) -> Client:
+        return Client(
+            self.ctx, self.keys, self.expect, self.max_bytes, self.shaper, self.counters,
+            self._on_reject, stop,
+        )  # fmt: skip
+
+    @property
+    def samples(self) -> int:
+        return self.base_samples + max(0, self.step - self.base_step) * self.samples_per_step
+
+    def weight(self) -> float:
+        """An exchange averages weighted by samples trained on (a newcomer counts less)."""
+        return float(max(self.samples, 1))
+
+    def _header(self, kind: str, rid: int) -> dict[str, Any]:
+        h = {
+            "v": PROTOCOL,
+            "kind": kind,
+            "group": self.group,
+            "fp": self.params.fingerprint,
+            "from": self.id,
+            "inc": self.incarnation,
+            "ep": self.endpoint,
+            "rid": rid,
+            "step": self.step,
+            "samples": self.samples,
+            "ready": self.averager.ready.is_set(),
+        }
+        if kind in ("ping", "pong"):
+            h["load"] = self.averager.load()
+            h["served"] = self.averager.work_s or 0.0
+        return h
+
+    def _reply_header(self, incoming: Incoming, kind: str) -> dict[str, Any]:
+        return self._header(kind, incoming.header["rid"])
+
+    def _inline(self, incoming: Incoming) -> Reply | None:
+        kind = handle_control(self.table, incoming)
+        if kind is None:
+            return None
+        h = self._reply_header(incoming, kind)
+        if kind == "pong":
+            h["peers"] = self.table.listing()
+            h["links"] = self.table.links()
+        return h, []
+
+    def _heavy(self, incoming: Incoming) -> Reply | None:
+        if incoming.header["kind"] == "xreq":
+            reply = self.averager.serve_exchange(incoming)
+        else:
+            reply = self.averager.serve_state(incoming)
+        self.table.heard(incoming.header)  # only once its tensors passed every check
+        return reply
+
+    def _on_reject(self, err: Rejected, address: str) -> None:
+        self.counters.inc(f"rejected.{err.reason}")
+        who = err.sender or "unknown sender"
+        self.limiter.warning(
+            f"reject:{err.reason}:{who}",
+            "rejected a message from %s at %s: %s; not choosing it for %.0fs",
+            who,
+            address or "unknown address",
+            err,
+            self.cfg.penalty_s,
+        )
+        if err.sender and err.sender != self.id:
+            self.table.penalise(err.sender)
+
+    def _on_denied(self, key: str) -> None:
+        self.counters.inc("auth.denied")
+        self.limiter.warning(
+            "denied", "refused a client whose key %s... is not in the allow-list", key[:8]
+        )
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        """Authenticator and server up; returns the endpoint other peers dial."""
+        if self.keys is not None:
+            self.auth = start_authenticator(self.ctx, self.keys, self._on_denied)
+        self.server = Server(
+            self.ctx,
+            self.cfg.listen,
+            self.expect,
+            self.keys,
+            self.max_bytes,
+            inline=self._inline,
+            heavy=self._heavy,
+            heavy_kinds={"xreq", "sreq"},
+            make_header=self._reply_header,
+            on_reject=self._on_reject,
+            shaper=self.shaper,
+            counters=self.counters,
+            plog=self.log,
+        )
+        bound = self.server.start()
+        self.endpoint = self.cfg.advertise or advertised(bound)
+        if self.keys is None and not is_loopback(bound):
+            self.log.warning(
+                "listening on %s WITHOUT a group key (--insecure): anyone who can reach this "
+                "port can join and send weights", bound
+            )  # fmt: skip
+        self.log.info(
+            "listening on %s (group %s, %s, %s selection, %s codec)",
+            self.endpoint, self.group, self.cfg.strategy, self.cfg.selection, self.cfg.codec,
+        )  # fmt: skip
+        self.write_status()
+        return self.endpoint
+
+    def join(self) -> None:
+        """Find the group through the seeds, copy its parameters and step, start mixing."""
+        self.membership.start()
+        if self.cfg.seeds:
+            deadline = time.monotonic() + self.cfg.join_timeout_s
+            while not self._ready_sources():
+                if time.monotonic() > deadline:
+                    raise GossipError(
+                        f"no group member answered at {', '.join(self.cfg.seeds)} within "
+                        f"{self.cfg.join_timeout_s:.0f}s; check the address, the firewall and "
+                        "--group-key, or start the first peer without --join"
+                    )
+                self.stop.wait(0.1)
+            if self.cfg.pull_state:
+                step, samples, source = self.averager.pull_state(
+                    self._ready_sources, self.cfg.join_timeout_s
+                )
+                self.step = self.base_step = self.merge.step = step
+                self.base_samples, self.joined_from = samples, source
+                self.merge.reset()
+                self.log.info("joined: copied parameters at step %d from %s", step, source)
+        self.averager.ready.set()
+        self.averager.start()
+        self._wait_for_peers()
+        self.write_status()
+
+    def _wait_for_peers(self) -> None:
+        """gossip.wait_peers: start together (a group of friends, a fair experiment)."""
+        want = self.cfg.wait_peers
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        while len(self._ready_sources()) < want and time.monotonic() < deadline:
+            self.stop.wait(0.1)
+        have = len(self._ready_sources())
+        if have < want:
+            self.log.warning("only %d of %d peers arrived in time; training anyway", have, want)
+
+    def _ready_sources(self) -> list[PeerState]:
+        ready = [p for p in self.table.alive() if p.ready]
+        return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
+
+    def after_step(self, step: int) -> None:
+        """Called by the trainer after each optimizer step: no locks, no waiting."""
+        self.step = step
+        self.merge.step = step
+
+    def close(self, goodbye: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.stop.set()
+        self.averager.join()
+        self.membership.join()
+        self.averager.close_clients()
+        self._heartbeat_client.close()
+        said = 0
+        if goodbye and self.server is not None:
+            # a client of its own: the others were told to stop waiting
+            bye = self._client(threading.Event())
+            try:
+                said = self.membership.goodbye(bye)
+            except Exception:
+                self.log.exception("goodbye failed")
+            finally:
+                bye.close()
+        if self.server is not None:
+            self.server.close()
+        if self.auth is not None:
+            self.auth.stop()
+        self.write_status(state="stopped")
+        self.ctx.destroy(linger=0)
+        self.log.info("left the group (%d peers acknowledged goodbye)", said)
+
+    # ------------------------------------------------------------ reporting
+    def status(self, state: str = "running") -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "group": self.group,
+            "state": state,
+            "ready": self.averager.ready.is_set(),
+            "step": self.step,
+            "samples": self.samples,
+            "joined_from": self.joined_from,
+            "strategy": self.cfg.strategy,
+            "selection": self.cfg.selection,
+            "codec": self.cfg.codec,
+            "time": time.time(),
+            "counters": self.counters.snapshot(),
+            "peers": self.table.rows(),
+        }
+
+    def write_status(self, state: str = "running") -> None:
+        """Every heartbeat: gossip.json for `atom peers`, and a log line now and then."""
+        now = time.monotonic()
+        if state == "running" and now - self._last_summary >= SUMMARY_EVERY_S:
+            self._last_summary = now
+            self.log.info("%s", self.summary())
+        if self.run_dir is None:
+            return
+        with self._status_lock:
+            try:
+                write_status(self.run_dir, self.status(state))
+            except OSError as err:
+                self.log.debug("cannot write status: %s", err)
+
+    def summary(self) -> str:
+        alive = sorted(self.table.alive(), key=lambda p: p.id)
+        c = self.counters.snapshot()
+        links = ", ".join(
+            f"{p.id} {p.bw * 8 / 1e6:.0f} Mb/s" if p.bw else f"{p.id} (unmeasured)" for p in alive
+        )
+        rejected = int(sum(v for k, v in c.items() if k.startswith("rejected.")))
+        return (
+            f"step {self.step}: {len(alive)} peer(s) [{links or 'none'}]; exchanges "
+            f"{int(c.get('exchange.ok', 0))} made, {int(c.get('served.ok', 0))} served, "
+            f"{int(c.get('exchange.failed', 0))} failed; {rejected} message(s) rejected"
+        )
+
+    def record(self) -> dict[str, Any]:
+        """A few numbers for metrics.jsonl."""
+        return {
+            "peers": len(self.table.alive()),
+            "exchanges": int(self.counters.get("exchange.ok") + self.counters.get("served.ok")),
+            "rejected": int(
+                sum(v for k, v in self.counters.snapshot().items() if k.startswith("rejected."))
+            ),
+        }
+
+    def postfix(self) -> dict[str, Any]:
+        return {"peers": len(self.table.alive())}
+
+
+def attach_gossip(
+    cfg: Config, engine, run_dir: Path, start_step: int, resident: bool = False
+) -> GossipPeer:
+    """Start gossip for a Trainer: listen, join and pull state before the first step."""
+    if resident or not hasattr(engine, "store"):
+        raise ConfigError(
+            "gossip averages the host master weights of the swap engine; drop --resident"
+        )
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    samples_per_step = cfg.train.micro_batch * cfg.train.grad_accum
+    peer = GossipPeer(cfg.gossip, UnitParams(engine), run_dir, start_step, samples_per_step)
+    try:
+        peer.start()
+        peer.join()
+    except BaseException:
+        peer.close(goodbye=False)
+        raise
+    return peer

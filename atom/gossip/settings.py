@@ -1,0 +1,148 @@
+"""GossipConfig: the `gossip:` section of a run's config.
+
+Gossip is on when `listen` is set (`atom train --listen tcp://HOST:PORT`). Validation is
+here (ValueError, turned into one-line errors by atom.config) so that a bad value is
+refused before any socket is opened. This module imports nothing from atom: atom.config
+imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+STRATEGIES = ("gossip", "diloco")
+SELECTIONS = ("flow", "random")
+CODECS = ("fp32", "bf16", "int8")
+
+_TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5}|\*)$")
+
+
+def check_endpoint(endpoint: str, what: str) -> str:
+    """tcp://HOST:PORT (port 0 or * = any free port) or ipc://PATH; returns it stripped."""
+    endpoint = endpoint.strip()
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    m = _TCP.match(endpoint)
+    if not m or (m.group(2) != "*" and int(m.group(2)) > 65535):
+        raise ValueError(f"{what} must look like tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+    return endpoint
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a tcp:// endpoint (None for ipc://)."""
+    if endpoint.startswith("ipc://"):
+        return None
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True when only this machine can reach the endpoint (ipc:// or a loopback address)."""
+    host = endpoint_host(endpoint)
+    return host is None or host in ("localhost", "::1") or host.startswith("127.")
+
+
+def parse_rates(spec: str) -> dict[str, float]:
+    """'NAME_OR_ENDPOINT=MBPS,...' -> {key: Mb/s}; the key is a peer name or endpoint, or
+    several joined by '+' to share one bucket (e.g. one uplink to a remote site)."""
+    rates: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, sep, value = item.rpartition("=")
+        try:
+            mbps = float(value)
+        except ValueError:
+            mbps = -1.0
+        if not sep or not key or not mbps > 0:
+            raise ValueError(
+                f"gossip.link_mbps_to entries look like NAME=MBPS or tcp://H:P=MBPS with "
+                f"MBPS > 0, got {item!r}"
+            )
+        rates[key] = mbps
+    return rates
+
+
+@dataclass
+class GossipConfig:
+    listen: str | None = None  # tcp://HOST:PORT to bind; None = train alone
+    join: str = ""  # comma-separated endpoints of any group members
+    group_key: str | None = None  # a bundle directory made by `atom keygen`
+    insecure: bool = False  # allow a non-loopback listen address without a group key
+    name: str = ""  # peer id; default: the key bundle's name, else host-random
+    advertise: str = ""  # endpoint others dial; default: listen (with a wildcard host resolved)
+    group: str = "atom"  # name of an open (keyless) group; keyed groups are named by their key
+    strategy: str = "gossip"  # gossip (pairwise averaging) | diloco (outer Nesterov step)
+    selection: str = "flow"  # flow (mixing per second) | random (uniform baseline)
+    codec: str = "fp32"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
+    interval_s: float = 0.2  # least time between the starts of two exchanges we initiate
+    lanes: int = 2  # exchanges we start at once (different partners); 0: only answer others
+    timeout_s: float = 10.0  # one exchange (request + reply) must finish within this
+    heartbeat_s: float = 1.0  # ping every known peer this often
+    dead_after_s: float = 6.0  # no word from a peer for this long: dead (retried later)
+    join_timeout_s: float = 30.0  # give up joining (exit 2) when no member answers in time
+    pull_state: bool = True  # on join, copy parameters and step from a member first
+    wait_peers: int = 0  # before the first step, wait (up to join_timeout_s) for this many others
+    diloco_steps: int = 100  # diloco: inner steps between outer steps of a unit (H)
+    outer_lr: float = 0.7  # diloco outer Nesterov SGD
+    outer_momentum: float = 0.9
+    link_mbps: float = 0.0  # emulate: cap every outgoing link at this rate (0: off)
+    link_mbps_to: str = ""  # emulate per link: 'NAME=MBPS,tcp://H:P=MBPS,A+B=MBPS' (A, B share)
+    max_message_mb: float = 0.0  # reject larger messages; 0: 1.25x the largest unit + 1 MiB
+    explore: float = 0.1  # flow selection: chance of a uniform random partner
+    penalty_s: float = 30.0  # a peer that sent a bad message is not chosen for this long
+    probe_kb: int = 256  # bandwidth probe sent to each new peer
+
+    def __post_init__(self) -> None:
+        if self.listen is not None:
+            self.listen = check_endpoint(self.listen, "gossip.listen")
+        for seed in self.seeds:
+            check_endpoint(seed, "gossip.join")
+        if self.advertise:
+            check_endpoint(self.advertise, "gossip.advertise")
+        if self.join and self.listen is None:
+            raise ValueError("gossip.join needs gossip.listen (--listen tcp://HOST:PORT) too")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"gossip.strategy must be gossip|diloco, got {self.strategy!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"gossip.selection must be flow|random, got {self.selection!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"gossip.codec must be fp32|bf16|int8, got {self.codec!r}")
+        for name in ("timeout_s", "heartbeat_s", "dead_after_s", "join_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"gossip.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("interval_s", "link_mbps", "max_message_mb", "penalty_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"gossip.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dead_after_s <= self.heartbeat_s:
+            raise ValueError("gossip.dead_after_s must exceed gossip.heartbeat_s")
+        if self.wait_peers < 0:
+            raise ValueError(f"gossip.wait_peers must be >= 0, got {self.wait_peers}")
+        if not 0 <= self.lanes <= 16:
+            raise ValueError(f"gossip.lanes must be in [0, 16], got {self.lanes}")
+        if self.diloco_steps < 1 or self.probe_kb < 1:
+            raise ValueError("gossip.diloco_steps and gossip.probe_kb must be >= 1")
+        if not (0 < self.outer_lr <= 2 and 0 <= self.outer_momentum < 1):
+            raise ValueError("need 0 < gossip.outer_lr <= 2 and 0 <= gossip.outer_momentum < 1")
+        if not 0 <= self.explore <= 1:
+            raise ValueError(f"gossip.explore must be in [0, 1], got {self.explore}")
+        if len(self.name) > 64 or not re.fullmatch(r"[A-Za-z0-9_.-]*", self.name):
+            raise ValueError("gossip.name: at most 64 of A-Z a-z 0-9 _ . -")
+        parse_rates(self.link_mbps_to)
+        if (
+            self.listen is not None
+            and not is_loopback(self.listen)
+            and not self.group_key
+            and not self.insecure
+        ):
+            raise ValueError(
+                f"listening on {self.listen} (reachable from other machines) needs a group key: "
+                "create one with `atom keygen DIR --peers NAMES` and pass --group-key DIR/NAME, "
+                "or pass --insecure for a trusted network"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.listen is not None
+
+    @property
+    def seeds(self) -> list[str]:
+        return [s.strip() for s in self.join.split(",") if s.strip()]

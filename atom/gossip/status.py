@@ -1,0 +1,120 @@
+"""What a peer reports: counters, rate-limited warnings, the gossip.json status file, and
+`atom peers RUN_DIR` which prints it.
+
+gossip.json (in the run directory, rewritten atomically every heartbeat) holds this
+peer's id, endpoint, group, step and counters, and one row per known peer: status, step,
+measured link bandwidth and round-trip time, seconds since the last exchange.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+STATUS_FILE = "gossip.json"
+
+
+class Counters:
+    """Thread-safe event counters (messages, bytes, exchanges, rejections by reason)."""
+
+    def __init__(self) -> None:
+        self._c: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def inc(self, key: str, n: int | float = 1) -> None:
+        with self._lock:
+            self._c[key] += n
+
+    def get(self, key: str) -> float:
+        with self._lock:
+            return self._c.get(key, 0)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._c)
+
+
+class LogLimiter:
+    """Log a recurring warning at most once per `every` seconds per key, with a count:
+    a misconfigured client retrying its handshake ten times a second must not flood logs."""
+
+    def __init__(self, log: logging.LoggerAdapter | logging.Logger, every: float = 10.0):
+        self.log = log
+        self.every = every
+        self._last: dict[str, float] = {}
+        self._skipped: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -1e9) < self.every:
+                self._skipped[key] += 1
+                return
+            self._last[key] = now
+            skipped, self._skipped[key] = self._skipped[key], 0
+        suffix = f" (+{skipped} similar since last report)" if skipped else ""
+        self.log.warning(msg + suffix, *args)
+
+
+class PeerLog(logging.LoggerAdapter):
+    """Prefix every record with the peer id: several peers may log into one terminal."""
+
+    def process(self, msg, kwargs):
+        return f"[{self.extra['peer']}] {msg}", kwargs
+
+
+def write_status(run_dir: Path, status: dict[str, Any]) -> None:
+    """Atomic: readers (atom peers, tests) never see a half-written file."""
+    path = Path(run_dir) / STATUS_FILE
+    tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(status, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / STATUS_FILE
+    return json.loads(path.read_text())
+
+
+def _fmt_bw(bps: float | None) -> str:
+    if not bps:
+        return "-"
+    mbit = bps * 8 / 1e6
+    return f"{mbit / 1000:.2f} Gb/s" if mbit >= 1000 else f"{mbit:.1f} Mb/s"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The table `atom peers` prints."""
+    age = time.time() - status.get("time", time.time())
+    c = status.get("counters", {})
+    rejected = sum(v for k, v in c.items() if k.startswith("rejected."))
+    lines = [
+        f"peer {status['id']} at {status['endpoint']} (group {status['group']}), "
+        f"step {status['step']}, {status['strategy']}/{status['selection']}/{status['codec']}; "
+        f"{status.get('state', 'running')}, status written {age:.0f}s ago",
+        f"exchanges {int(c.get('exchange.ok', 0))} ok, {int(c.get('exchange.failed', 0))} "
+        f"failed, {int(c.get('served.ok', 0))} served; rejected {int(rejected)}; "
+        f"auth denied {int(c.get('auth.denied', 0) + c.get('auth.handshake_failed', 0))}",
+        "",
+        f"{'peer':<20} {'status':<8} {'step':>8} {'link':>12} {'rtt':>9} {'last exch':>10} "
+        f"{'exch':>6} {'fail':>5}",
+    ]
+    for p in status.get("peers", []):
+        rtt = f"{p['rtt'] * 1000:.1f} ms" if p.get("rtt") else "-"
+        last = f"{p['last_exchange_s']:.1f}s ago" if p.get("last_exchange_s") is not None else "-"
+        lines.append(
+            f"{p['id'][:20]:<20} {p['status']:<8} {p['step']:>8} {_fmt_bw(p.get('bw')):>12} "
+            f"{rtt:>9} {last:>10} {p['exchanges']:>6} {p['failures']:>5}"
+        )
+    if not status.get("peers"):
+        lines.append("(no other peers known)")
+    return "\n".join(lines)

@@ -1,0 +1,435 @@
+"""ZeroMQ transport: one ROUTER server per peer, DEALER clients owned by one thread each.
+
+Server: an I/O thread owns the ROUTER (and nothing else touches it: zmq sockets are not
+thread-safe). It validates every message (wire.parse_header, check_frames, size limit)
+before anyone sees it, answers cheap kinds (ping, probe, bye) inline, and hands heavy
+kinds (exchanges, state pulls) to a small worker pool, whose replies come back over an
+inproc socket for the I/O thread to send. So a slow exchange never delays a heartbeat,
+and a full pool answers `busy` instead of queueing without bound.
+
+Client: a DEALER per destination, created lazily, with LINGER 0; a request waits for its
+reply (matched by rid) with a poll timeout, and on timeout the socket is closed, which
+drops anything still queued for a dead peer. Nothing here blocks without a timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from atom.gossip.keys import GroupKeys, secure_client, secure_server
+from atom.gossip.shaping import LinkShaper
+from atom.gossip.status import Counters, LogLimiter
+from atom.gossip.wire import (
+    MAX_HEADER_BYTES,
+    Expect,
+    Rejected,
+    check_frames,
+    pack,
+    parse_header,
+)
+
+log = logging.getLogger(__name__)
+
+# (header, tensor buffers[, work to do once the reply has been handed to the I/O thread])
+Reply = tuple[dict[str, Any], list[Any]] | tuple[dict[str, Any], list[Any], Callable[[], None]]
+POLL_MS = 100  # the I/O loop notices `stop` within this
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_server_ids = itertools.count()
+
+
+@dataclass
+class Incoming:
+    header: dict[str, Any]
+    frames: list  # tensor frames (zmq.Frame), already checked against header["tensors"]
+    nbytes: int
+    address: str = ""  # the remote IP, from zmq's Peer-Address
+    received: float = field(default_factory=time.monotonic)
+
+
+def _prop(frame: Any, name: str) -> str:
+    try:
+        return frame.get(name) or ""
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return ""
+
+
+def frames_nbytes(buffers: list[Any]) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+class Server:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        bind: str,
+        expect: Expect,
+        keys: GroupKeys | None,
+        max_bytes: int,
+        inline: Callable[[Incoming], Reply | None],
+        heavy: Callable[[Incoming], Reply | None],
+        heavy_kinds: set[str],
+        make_header: Callable[[Incoming, str], dict[str, Any]],
+        on_reject: Callable[[Rejected, str], None],
+        shaper: LinkShaper,
+        counters: Counters,
+        plog: logging.LoggerAdapter,
+        workers: int = 2,
+    ):
+        self.ctx, self.bind, self.expect, self.keys = ctx, bind, expect, keys
+        self.max_bytes = max_bytes
+        self.inline, self.heavy, self.heavy_kinds = inline, heavy, heavy_kinds
+        self.make_header = make_header  # a reply header to `incoming` of a given kind
+        self.on_reject, self.shaper, self.counters, self.log = on_reject, shaper, counters, plog
+        self.limiter = LogLimiter(plog)
+        self.stop = threading.Event()
+        self.endpoint = ""
+        self._inproc = f"inproc://atom-gossip-replies-{next(_server_ids)}-{id(self)}"
+        self._jobs: queue.Queue = queue.Queue(maxsize=workers * 2)
+        self._n_workers = workers
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> str:
+        """Bind (port 0 picks a free port) and start the threads; returns the bound endpoint."""
+        router = self.ctx.socket(zmq.ROUTER)
+        router.linger = 0
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
+        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)  # memory guard per frame
+        router.rcvhwm = router.sndhwm = 64
+        secure_server(router, self.keys)
+        try:
+            router.bind(self.bind)
+        except zmq.ZMQError as err:
+            router.close()
+            from atom.config import ConfigError
+
+            raise ConfigError(f"cannot listen on {self.bind}: {err}") from None
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        pull = self.ctx.socket(zmq.PULL)
+        pull.linger = 0
+        pull.bind(self._inproc)
+        monitor = router.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
+        io = threading.Thread(
+            target=self._io, args=(router, pull, monitor), name="atom-gossip-io", daemon=True
+        )
+        self._threads = [io] + [
+            threading.Thread(target=self._worker, name=f"atom-gossip-serve-{i}", daemon=True)
+            for i in range(self._n_workers)
+        ]
+        for t in self._threads:
+            t.start()
+        return self.endpoint
+
+    # ------------------------------------------------------------ I/O thread
+    def _io(self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket | None) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
+        try:
+            while not self.stop.is_set():
+                events = dict(poller.poll(POLL_MS))
+                if pull in events:
+                    for _ in range(64):
+                        try:
+                            out = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._send(router, out)
+                if router in events:
+                    for _ in range(64):
+                        try:
+                            msg = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._handle(router, msg)
+                        except Exception:  # one message must never take the server down
+                            self.counters.inc("server.errors")
+                            self.log.exception("handling a message failed")
+                if monitor is not None and monitor in events:
+                    while monitor.poll(0):
+                        event = recv_monitor_message(monitor)
+                        self.counters.inc("auth.handshake_failed")
+                        self.limiter.warning(
+                            "handshake",
+                            "refused a connection that failed the CURVE handshake "
+                            "(no or wrong group key; zmq event %s)",
+                            event.get("event"),
+                        )
+        except Exception:
+            self.log.exception("gossip server I/O thread failed")
+        finally:
+            if monitor is not None:
+                router.disable_monitor()
+                monitor.close(linger=0)
+            router.close(linger=0)
+            pull.close(linger=0)
+
+    def _send(self, router: zmq.Socket, frames: list) -> None:
+        try:
+            router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self.counters.inc("sent.msgs")
+            self.counters.inc("sent.bytes", sum(len(f) for f in frames[1:]))
+        except zmq.ZMQError as err:  # EHOSTUNREACH (gone: ROUTER_MANDATORY) or EAGAIN (HWM)
+            self.counters.inc("sent.dropped")
+            self.log.debug("reply dropped: %s", err)
+
+    def _handle(self, router: zmq.Socket, msg: list) -> None:
+        ident, parts = msg[0], msg[1:]
+        address = _prop(parts[0], "Peer-Address") if parts else ""
+        nbytes = sum(len(f) for f in parts)
+        self.counters.inc("recv.msgs")
+        self.counters.inc("recv.bytes", nbytes)
+        try:
+            if not parts:
+                raise Rejected("garbage", "empty message")
+            if nbytes > self.max_bytes:
+                raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_bytes}")
+            header = parse_header(parts[0].buffer, self.expect)
+            check_frames(header, parts[1:])
+        except Rejected as err:
+            if err.reason == "oversized" and err.sender is None and parts:
+                err.sender = _sender_hint(parts[0])
+            self.on_reject(err, address)
+            return
+        incoming = Incoming(header, parts[1:], nbytes, address)
+        self.counters.inc(f"recv.{header['kind']}")
+        if header["kind"] in self.heavy_kinds:
+            try:
+                self._jobs.put_nowait((ident, incoming))
+            except queue.Full:
+                self._reply(router, ident, incoming, self.refusal(incoming, "busy", "overloaded"))
+            return
+        try:
+            reply = self.inline(incoming)
+        except Rejected as err:
+            err.sender = err.sender or header["from"]
+            self.on_reject(err, address)
+            return
+        if reply is not None:
+            self._reply(router, ident, incoming, reply)
+
+    def refusal(self, incoming: Incoming, kind: str, reason: str) -> Reply:
+        """A `busy` (try again later) or `nack` (will not serve this) reply."""
+        header = self.make_header(incoming, kind)
+        header["reason"] = reason
+        if kind == "busy":
+            header["unit"] = incoming.header.get("unit", 0)
+        return header, []
+
+    def _reply(self, router: zmq.Socket, ident: Any, incoming: Incoming, reply: Reply) -> None:
+        header, buffers = reply
+        data = pack(header)
+        # control replies are tiny: charge the link but do not hold the I/O thread
+        self.shaper.delay((incoming.header["from"], incoming.header["ep"]), len(data))
+        self._send(router, [ident, data, *buffers])
+
+    # ------------------------------------------------------------ workers
+    def _worker(self) -> None:
+        push = self.ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.connect(self._inproc)
+        try:
+            while not self.stop.is_set():
+                try:
+                    ident, incoming = self._jobs.get(timeout=POLL_MS / 1000)
+                except queue.Empty:
+                    continue
+                try:
+                    reply = self.heavy(incoming)
+                except Rejected as err:
+                    err.sender = err.sender or incoming.header["from"]
+                    self.on_reject(err, incoming.address)
+                    reply = self.refusal(incoming, "nack", f"rejected: {err.reason}")
+                except Exception:
+                    self.log.exception("serving %s failed", incoming.header["kind"])
+                    reply = self.refusal(incoming, "nack", "internal error")
+                if reply is None:
+                    continue
+                header, buffers = reply[0], reply[1]
+                after = reply[2] if len(reply) > 2 else None
+                try:
+                    data = pack(header)
+                    dest = (incoming.header["from"], incoming.header["ep"])
+                    if not self.shaper.wait(dest, len(data) + frames_nbytes(buffers), self.stop):
+                        break
+                    push.send_multipart([ident, data, *buffers], copy=False)
+                finally:
+                    if after is not None:
+                        after()
+        finally:
+            push.close(linger=0)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(timeout)
+
+
+def _sender_hint(frame: Any) -> str | None:
+    """Best-effort sender id of a message rejected before its header was validated."""
+    try:
+        import msgpack
+
+        if len(frame) > MAX_HEADER_BYTES:
+            return None
+        raw = msgpack.unpackb(bytes(frame.buffer), raw=False, strict_map_key=True)
+        return (
+            raw.get("from") if isinstance(raw, dict) and isinstance(raw.get("from"), str) else None
+        )
+    except Exception:
+        return None
+
+
+class Client:
+    """Request/reply over DEALER sockets; one instance per thread (sockets are not
+    thread-safe). Every wait is bounded; a timed-out socket is closed and rebuilt."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        keys: GroupKeys | None,
+        expect: Expect,
+        max_bytes: int,
+        shaper: LinkShaper,
+        counters: Counters,
+        on_reject: Callable[[Rejected, str], None],
+        stop: threading.Event,
+    ):
+        self.ctx, self.keys, self.expect, self.max_bytes = ctx, keys, expect, max_bytes
+        self.shaper, self.counters, self.on_reject, self.stop = shaper, counters, on_reject, stop
+        self._socks: dict[str, zmq.Socket] = {}
+        self._rid = itertools.count(random.getrandbits(40))
+
+    def next_rid(self) -> int:
+        return next(self._rid)
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.linger = 0  # close() drops whatever a dead peer never took
+            sock.sndtimeo = 0
+            sock.sndhwm = 16
+            sock.rcvhwm = 16
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            secure_client(sock, self.keys)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        return sock
+
+    def drop(self, endpoint: str) -> None:
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def send(self, endpoint: str, dest: tuple[str, ...], header: dict, buffers: list) -> bool:
+        """Shape, then queue one message; False if it could not be queued or we stopped."""
+        data = pack(header)
+        if not self.shaper.wait(dest, len(data) + frames_nbytes(buffers), self.stop):
+            return False
+        try:
+            self._socket(endpoint).send_multipart([data, *buffers], copy=False)
+        except zmq.ZMQError:  # EAGAIN: HWM full, the peer is not taking messages
+            self.drop(endpoint)
+            return False
+        self.counters.inc("sent.msgs")
+        self.counters.inc("sent.bytes", len(data) + frames_nbytes(buffers))
+        return True
+
+    def request(
+        self,
+        endpoint: str,
+        dest: tuple[str, ...],
+        header: dict,
+        buffers: list,
+        timeout: float,
+        abort: Callable[[], bool] | None = None,
+    ) -> Incoming | None:
+        """Send and wait for the reply with the same rid; None on timeout, on a bad reply,
+        or as soon as abort() says the wait is pointless (the peer was declared dead)."""
+        deadline = time.monotonic() + timeout
+        if not self.send(endpoint, dest, header, buffers):
+            return None
+        return self._await({endpoint: header["rid"]}, deadline, abort).get(endpoint)
+
+    def request_many(
+        self, items: list[tuple[str, tuple[str, ...], dict, list]], timeout: float
+    ) -> dict[str, Incoming | None]:
+        """Send one request to each endpoint, then collect replies until the deadline."""
+        deadline = time.monotonic() + timeout
+        waiting = {}
+        for endpoint, dest, header, buffers in items:
+            if self.send(endpoint, dest, header, buffers):
+                waiting[endpoint] = header["rid"]
+        replies = self._await(waiting, deadline)
+        return {item[0]: replies.get(item[0]) for item in items}
+
+    def _await(
+        self, waiting: dict[str, int], deadline: float, abort: Callable[[], bool] | None = None
+    ) -> dict[str, Incoming | None]:
+        out: dict[str, Incoming | None] = {}
+        pending = dict(waiting)
+        while pending and not self.stop.is_set() and not (abort and abort()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            poller = zmq.Poller()
+            socks = {self._socket(ep): ep for ep in pending}
+            for sock in socks:
+                poller.register(sock, zmq.POLLIN)
+            for sock, _ in poller.poll(min(left, POLL_MS / 1000) * 1000):
+                ep = socks[sock]
+                try:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
+                reply = self._check(parts, pending[ep])
+                if reply is False:
+                    continue  # a stale reply to an earlier, timed-out request
+                out[ep] = reply
+                del pending[ep]
+        for ep in pending:  # no reply in time: forget the socket and what it queued
+            self.drop(ep)
+            out[ep] = None
+        return out
+
+    def _check(self, parts: list, rid: int) -> Incoming | None | bool:
+        nbytes = sum(len(f) for f in parts)
+        self.counters.inc("recv.msgs")
+        self.counters.inc("recv.bytes", nbytes)
+        address = _prop(parts[0], "Peer-Address") if parts else ""
+        try:
+            if not parts:
+                raise Rejected("garbage", "empty reply")
+            if nbytes > self.max_bytes:
+                raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_bytes}")
+            header = parse_header(parts[0].buffer, self.expect)
+            if header["rid"] != rid:
+                return False
+            check_frames(header, parts[1:])
+        except Rejected as err:
+            self.on_reject(err, address)
+            return None
+        return Incoming(header, parts[1:], nbytes, address)
+
+    def close(self) -> None:
+        for ep in list(self._socks):
+            self.drop(ep)

@@ -1,0 +1,195 @@
+"""Text for fine-tuning: a checkpoint directory's tokenizer, and JSONL records.
+
+``atom prepare --tokenizer DIR`` reads DIR/tokenizer.json; records of ``.jsonl`` files
+(``{"text"}``, chat ``{"messages"}`` through the checkpoint's chat template, Alpaca
+instruction/output, prompt/completion) become token arrays, each ended by the tokenizer's
+end-of-text token. transformers is never imported; nothing touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The tokenizer files of a checkpoint directory (atom export copies those present).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def tokenizer_file(directory: Path) -> Path:
+    """A checkpoint directory's tokenizer.json (for `atom prepare --tokenizer DIR`)."""
+    from atom.data import DataError
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        hint = ""
+        if (path.parent / "tokenizer.model").is_file():
+            hint = " (it has tokenizer.model: load it with transformers and save_pretrained)"
+        raise DataError(
+            f"{directory} has no tokenizer.json{hint}; atom prepare reads Hugging Face "
+            "tokenizers in tokenizer.json form"
+        )
+    return path
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _tokenizer_config(tokenizer_json: Path) -> dict[str, Any]:
+    path = tokenizer_json.parent / "tokenizer_config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def eos_token_id(tokenizer_json: Path, tok) -> int | None:
+    """End-of-text id separating JSONL records: tokenizer_config.json's eos_token, else
+    config.json's eos_token_id, else a conventional token present in the vocabulary."""
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    text = _token_text(_tokenizer_config(tokenizer_json).get("eos_token"))
+    if text is not None and tok.token_to_id(text) is not None:
+        return tok.token_to_id(text)
+    try:
+        eos = json.loads((tokenizer_json.parent / "config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        eos = None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if isinstance(eos, int) and 0 <= eos < vocab:
+        return eos
+    for name in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"):
+        if tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    return None
+
+
+def _chat_template(tokenizer_json: Path | None):
+    """The checkpoint's Jinja chat template, compiled, or None."""
+    if tokenizer_json is None:
+        return None
+    cfg = _tokenizer_config(tokenizer_json)
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    jinja_file = tokenizer_json.parent / "chat_template.jinja"
+    if not isinstance(source, str) and jinja_file.is_file():
+        source = jinja_file.read_text(encoding="utf-8")
+    if not isinstance(source, str):
+        return None
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        log.warning("jinja2 is not installed: chat records use a plain ChatML layout")
+        return None
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    template = env.from_string(source)
+    specials = {
+        "bos_token": _token_text(cfg.get("bos_token")) or "",
+        "eos_token": _token_text(cfg.get("eos_token")) or "",
+    }
+    return lambda messages: template.render(
+        messages=messages, add_generation_prompt=False, **specials
+    )
+
+
+def record_text(record: Any, chat=None) -> str:
+    """One JSONL record as training text. Accepted: {"text"}, {"messages": [{"role",
+    "content"}]} (through the checkpoint's chat template when it has one), Alpaca
+    {"instruction", "input"?, "output"} and {"prompt", "completion"|"response"}."""
+    if not isinstance(record, dict):
+        raise ValueError("is not a JSON object")
+    if isinstance(record.get("text"), str):
+        return record["text"]
+    messages = record.get("messages")
+    if isinstance(messages, list):
+        ok = all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+        if not ok or not messages:
+            raise ValueError('has "messages" that are not a list of {"role", "content"} strings')
+        if chat is not None:
+            return chat(messages)
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
+        extra = record.get("input")
+        parts = [f"### Instruction:\n{record['instruction']}\n\n"]
+        if isinstance(extra, str) and extra:
+            parts.append(f"### Input:\n{extra}\n\n")
+        parts.append(f"### Response:\n{record['output']}")
+        return "".join(parts)
+    answer = record.get("completion", record.get("response"))
+    if isinstance(record.get("prompt"), str) and isinstance(answer, str):
+        return record["prompt"] + answer
+    keys = ", ".join(sorted(map(str, record))) or "none"
+    raise ValueError(
+        f'has no "text", "messages", "instruction"/"output" or "prompt"/"completion" '
+        f"field (keys: {keys})"
+    )
+
+
+def jsonl_chunks(path: Path, tok) -> Iterator:
+    """Token arrays for the records of one JSONL file, each followed by the tokenizer's
+    end-of-text token (or a blank line where there is none)."""
+    import numpy as np
+
+    from atom.data import DataError
+
+    tokenizer_json = (
+        Path(tok.name.removeprefix("tokenizers:")) if tok.name.startswith("tokenizers:") else None
+    )
+    chat = _chat_template(tokenizer_json)
+    eos = getattr(tok, "eos", None)
+    eos_text = (
+        _token_text(_tokenizer_config(tokenizer_json).get("eos_token")) if tokenizer_json else None
+    )
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = record_text(json.loads(line), chat)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno} is not valid JSON ({e.msg}); fix the line"
+                ) from None
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno} {e}") from None
+            if eos is None:
+                yield tok.encode((text + "\n\n").encode("utf-8"), path)
+                continue
+            ids = tok.encode(text.encode("utf-8"), path)
+            if eos_text and text.endswith(eos_text):
+                yield ids
+            else:
+                yield np.concatenate([ids, np.asarray([eos], dtype=ids.dtype)])

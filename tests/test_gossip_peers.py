@@ -1,0 +1,271 @@
+"""Peers in one process over real loopback sockets: averaging, faults, security, churn.
+
+Each peer is a GossipPeer on its own SwapEngine (tiny model, CPU) and zmq context; nothing
+trains here, so every change to the weights is gossip's doing and can be checked exactly.
+
+    pytest tests/test_gossip_peers.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+import zmq.auth
+
+from atom.config import replace
+from atom.gossip.averager import GossipError
+from atom.gossip.keys import keygen
+from atom.gossip.merge import UnitParams
+from atom.gossip.peer import GossipPeer
+from atom.gossip.wire import PROTOCOL
+from atom.train import build_engine
+from tests.conftest import tiny_config
+
+FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "join_timeout_s": 5.0, "interval_s": 0.02}
+
+
+@pytest.fixture
+def group():
+    """make(name, seed, join=..., **gossip) -> GossipPeer; all closed at the end."""
+    made = []
+
+    def make(name, seed=1, start=True, **gossip):
+        cfg = tiny_config(train={"seed": seed})
+        engine = build_engine(cfg)
+        settings = {"listen": "tcp://127.0.0.1:0", "name": name or "", "pull_state": False}
+        settings.update(FAST)
+        settings.update(gossip)
+        gcfg = replace(cfg, gossip=settings).gossip
+        peer = GossipPeer(gcfg, UnitParams(engine), None, 0, samples_per_step=4)
+        peer.engine = engine
+        made.append(peer)
+        if start:
+            peer.start()
+            peer.join()
+        return peer
+
+    yield make
+    for peer in made:
+        peer.close()
+        peer.engine.close()
+
+
+def weights(peer) -> torch.Tensor:
+    return torch.cat([peer.params.snapshot(u) for u in peer.params.units])
+
+
+def distance(peers) -> float:
+    xs = torch.stack([weights(p) for p in peers])
+    return float((xs - xs.mean(0)).pow(2).mean().sqrt())
+
+
+def wait_until(pred, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_consensus_distance_falls_and_the_mean_is_kept(group):
+    a = group("a", seed=1)
+    b = group("b", seed=2, join=a.endpoint)
+    c = group("c", seed=3, join=b.endpoint)  # joins through b; learns a by gossip
+    start = distance([a, b, c])
+    mean0 = torch.stack([weights(p) for p in (a, b, c)]).mean(0)
+    wait_until(lambda: distance([a, b, c]) < 1e-3 * start, 15, "consensus")
+    mean1 = torch.stack([weights(p) for p in (a, b, c)]).mean(0)
+    # pairwise averages with equal weights conserve the sum: the group's mean is kept
+    assert float((mean1 - mean0).abs().max()) < 1e-3 * float(mean0.abs().max())
+    wait_until(lambda: a.table.get("c") is not None and a.table.get("c").status == "alive")
+    rows = {r["id"]: r for r in a.status()["peers"]}
+    assert rows["b"]["exchanges"] > 0 and rows["b"]["rtt"] > 0
+    # every unit is still what the compute copy holds (refresh_compute after each merge)
+    for buf in a.engine.store.buffers:
+        assert torch.equal(buf.compute[: buf.spec.n_owned].float(), buf.master)
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_lossy_codecs_converge(group, codec):
+    a = group("a", seed=1, codec=codec)
+    b = group("b", seed=2, codec=codec, join=a.endpoint)
+    start = distance([a, b])
+    wait_until(lambda: distance([a, b]) < 0.02 * start, 15, f"{codec} consensus")
+
+
+def test_diloco_outer_steps_mix_the_peers(group):
+    a = group("a", seed=1, strategy="diloco", diloco_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    b = group("b", seed=2, strategy="diloco", diloco_steps=2, outer_lr=1.0, outer_momentum=0.0,
+              join=a.endpoint)  # fmt: skip
+    start = distance([a, b])
+    time.sleep(0.5)
+    assert distance([a, b]) == start  # no unit is due before H inner steps
+    for p in (a, b):
+        p.after_step(2)
+    wait_until(lambda: distance([a, b]) < 1e-6 * start, 10, "diloco outer steps")
+
+
+def raw_client(ctx, endpoint):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    return sock
+
+
+def good_header(peer, **over):
+    h = {
+        "v": PROTOCOL, "kind": "xreq", "group": peer.group, "fp": peer.params.fingerprint,
+        "from": "mallory", "inc": 1, "ep": "tcp://127.0.0.1:1", "rid": 1, "step": 0,
+        "samples": 4, "ready": True, "unit": 1, "codec": "fp32", "weight": 4.0, "delta": False,
+    }  # fmt: skip
+    n = peer.params.numel(over.get("unit", 1))
+    h["tensors"] = [{"dtype": "f32", "n": n}]
+    h.update(over)
+    return h
+
+
+def test_bad_messages_are_rejected_and_the_peer_keeps_running(group):
+    a = group("a", seed=1)
+    before = weights(a)
+    n = a.params.numel(1)
+    good = np.zeros(n, dtype=np.float32)
+    nan = good.copy()
+    nan[3] = np.nan
+    cases = {
+        "garbage": [b"\x93\x01\x02"],
+        "truncated": [msgpack.packb(good_header(a)), good[: n // 2].tobytes()],
+        "fingerprint": [msgpack.packb(good_header(a, fp="0" * 24)), good.tobytes()],
+        "group": [msgpack.packb(good_header(a, group="open:x")), good.tobytes()],
+        "nonfinite": [msgpack.packb(good_header(a)), nan.tobytes()],
+        "oversized": [msgpack.packb(good_header(a)), bytes(a.max_bytes + 1)],
+        "schema": [msgpack.packb(good_header(a, kind="sreq"))],  # sreq carries no tensors
+    }
+    ctx = zmq.Context()
+    sock = raw_client(ctx, a.endpoint)
+    try:
+        for reason, frames in cases.items():
+            sock.send_multipart(frames)
+            wait_until(lambda r=reason: a.counters.get(f"rejected.{r}") >= 1, 5, reason)
+        # none of them got an answer but `nonfinite` (refused by the averager with a nack)
+        replies = []
+        while sock.poll(300):
+            replies.append(msgpack.unpackb(sock.recv_multipart()[0]))
+        assert [r["kind"] for r in replies] == ["nack"]
+    finally:
+        sock.close()
+        ctx.term()
+    assert torch.equal(weights(a), before)
+    assert a.server._threads[0].is_alive()
+    group("b", seed=2, join=a.endpoint)  # still serving real peers
+    wait_until(lambda: a.counters.get("served.ok") + a.counters.get("exchange.ok") >= 3)
+    assert not torch.equal(weights(a), before)
+
+
+def test_poisoned_reply_is_not_applied_and_its_sender_is_shunned(group):
+    a = group("a", seed=1, interval_s=60.0)
+    b = group("b", seed=2, interval_s=60.0, join=a.endpoint)
+    honest = b.averager.serve_exchange
+
+    def poisoned(incoming):
+        header, buffers, after = honest(incoming)
+        bad = np.array(buffers[0], copy=True)
+        bad[0] = np.inf
+        return header, [bad], after
+
+    b.averager.serve_exchange = poisoned
+    wait_until(lambda: any(p.id == "b" for p in a.table.candidates()), 5, "b known to a")
+    before = weights(a)
+    assert not a.averager.exchange(a.table.get("b"), 1)
+    assert torch.equal(weights(a), before)
+    assert a.counters.get("rejected.nonfinite") == 1
+    assert all(p.id != "b" for p in a.table.candidates())  # not chosen for penalty_s
+
+
+@pytest.mark.parametrize("fault", ["truncated", "silent"])
+def test_partial_or_missing_reply_changes_nothing(group, fault):
+    a = group("a", seed=1, interval_s=60.0, timeout_s=0.5)
+    b = group("b", seed=2, interval_s=60.0, join=a.endpoint)
+    honest = b.averager.serve_exchange
+
+    def faulty(incoming):
+        header, buffers, after = honest(incoming)
+        if fault == "silent":
+            time.sleep(2.0)  # a partner that hangs mid-exchange
+            after()
+            return None
+        return header, [bytes(memoryview(buffers[0])[:100])], after
+
+    b.averager.serve_exchange = faulty
+    wait_until(lambda: any(p.id == "b" for p in a.table.candidates()), 5, "b known to a")
+    before = weights(a)
+    t0 = time.monotonic()
+    assert not a.averager.exchange(a.table.get("b"), 2)
+    assert time.monotonic() - t0 < 1.5  # bounded by the timeout
+    assert torch.equal(weights(a), before)
+    assert a.table.get("b").failures == 1 or a.counters.get("rejected.truncated") == 1
+
+
+def test_only_allow_listed_peers_reach_the_averager(group, tmp_path):
+    bundles = keygen(tmp_path / "keys", ["alice", "bob"])
+    outsider = keygen(tmp_path / "other", ["eve"])[0]
+    a = group(None, seed=1, group_key=str(bundles[0]))  # named by its key: alice
+    assert a.id == "alice"
+    before = weights(a)
+    ctx = zmq.Context()
+    try:
+        plain = raw_client(ctx, a.endpoint)  # no CURVE at all
+        pub, sec = zmq.auth.load_certificate(str(outsider / "eve.key_secret"))
+        grp_pub, _ = zmq.auth.load_certificate(str(bundles[0] / "group.key_secret"))
+        eve = ctx.socket(zmq.DEALER)  # knows the group's server key, but is not allow-listed
+        eve.linger = 0
+        eve.curve_publickey, eve.curve_secretkey, eve.curve_serverkey = pub, sec, grp_pub
+        eve.connect(a.endpoint)
+        frames = [msgpack.packb(good_header(a)), bytes(4 * a.params.numel(1))]
+        for sock in (plain, eve):
+            sock.send_multipart(frames)
+        wait_until(lambda: a.counters.get("auth.denied") >= 1, 5, "eve's handshake refused")
+        time.sleep(0.5)
+        assert a.counters.get("recv.msgs") == 0 and a.counters.get("recv.xreq") == 0
+        assert a.counters.get("auth.handshake_failed") >= 1
+        plain.close()
+        eve.close()
+    finally:
+        ctx.term()
+    assert torch.equal(weights(a), before)
+    with pytest.raises(GossipError, match="no group member answered"):
+        group("mallory", seed=3, join=a.endpoint, join_timeout_s=1.0)  # no key: cannot join
+    b = group(None, seed=2, group_key=str(bundles[1]), join=a.endpoint)
+    assert b.id == "bob" and b.group == a.group
+    wait_until(lambda: a.counters.get("served.ok") >= 1, 10, "an authenticated exchange")
+
+
+def test_goodbye_crash_and_restart(group):
+    a = group("a", seed=1)
+    b = group("b", seed=2, join=a.endpoint)
+    c = group("c", seed=3, join=a.endpoint)
+    wait_until(lambda: b.table.get("c") is not None and b.table.get("c").status == "alive")
+    c.close()  # goodbye: the others know at once
+    assert a.table.get("c").status == "left" and b.table.get("c").status == "left"
+    b.close(goodbye=False)  # a crash: no goodbye, found out by timeout
+    wait_until(lambda: a.table.get("b").status == "dead", 5, "b declared dead")
+    assert all(p.id != "b" for p in a.table.candidates())
+    b2 = group("b", seed=4, join=a.endpoint, pull_state=True)  # restarted: rejoins, pulls state
+    assert b2.incarnation != b.incarnation and b2.joined_from == "a"
+    wait_until(lambda: a.table.get("b").status == "alive", 5, "b back")
+    wait_until(lambda: distance([a, b2]) < 1e-6, 10, "b2 mixing with a")
+
+
+def test_joiner_pulls_parameters_and_step(group):
+    a = group("a", seed=1, interval_s=60.0)
+    a.after_step(42)
+    b = group("b", seed=2, interval_s=60.0, join=a.endpoint, pull_state=True)
+    assert b.step == 42 and b.joined_from == "a"
+    assert torch.equal(weights(a), weights(b))
+    for buf in b.engine.store.buffers:  # the copy that crosses the bus follows master
+        assert torch.equal(buf.compute[: buf.spec.n_owned].float(), buf.master)

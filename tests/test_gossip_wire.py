@@ -1,0 +1,288 @@
+"""Peers, the parts without sockets: wire validation, codecs, merge math, selection,
+shaping, keys, config.
+
+    pytest tests/test_gossip_wire.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+
+from atom.config import ConfigError, load_config
+from atom.gossip.codecs import BLOCK, CODECS, decode_checked, get_codec, roundtrip
+from atom.gossip.keys import keygen, load_bundle
+from atom.gossip.membership import PeerState, PeerTable
+from atom.gossip.merge import DiLoCoMerge, GossipMerge
+from atom.gossip.selection import FlowSelector, RandomSelector
+from atom.gossip.settings import is_loopback, parse_rates
+from atom.gossip.shaping import LinkShaper, TokenBucket
+from atom.gossip.wire import (
+    PROTOCOL,
+    Expect,
+    Rejected,
+    check_frames,
+    fingerprint,
+    pack,
+    parse_header,
+)
+
+EXPECT = Expect("open:test", "f" * 24, 5)
+
+
+def header(**over):
+    h = {
+        "v": PROTOCOL, "kind": "xreq", "group": "open:test", "fp": "f" * 24, "from": "alice",
+        "inc": 7, "ep": "tcp://127.0.0.1:5555", "rid": 1, "step": 3, "samples": 12,
+        "ready": True, "unit": 1, "codec": "fp32", "weight": 12.0,
+        "tensors": [{"dtype": "f32", "n": 4}], "delta": False,
+    }  # fmt: skip
+    h.update(over)
+    return h
+
+
+def test_valid_header_roundtrips():
+    h = parse_header(pack(header()), EXPECT)
+    assert h["from"] == "alice" and h["unit"] == 1 and h["tensors"] == [{"dtype": "f32", "n": 4}]
+    check_frames(h, [bytes(16)])
+
+
+@pytest.mark.parametrize(
+    "data,reason",
+    [
+        (b"\xc1\xff garbage", "garbage"),
+        (msgpack.packb([1, 2, 3]), "garbage"),
+        (pack(header(v=2)), "version"),
+        (pack(header(kind="exec")), "schema"),
+        (pack(header(extra=1)), "schema"),
+        (pack({k: v for k, v in header().items() if k != "weight"}), "schema"),
+        (pack(header(step=True)), "schema"),
+        (pack(header(step=-1)), "schema"),
+        (pack(header(weight=float("nan"))), "schema"),
+        (pack(header(weight=float("inf"))), "schema"),
+        (pack(header(**{"from": "../etc/passwd"})), "schema"),
+        (pack(header(ep="http://evil")), "schema"),
+        (pack(header(codec="pickle")), "codec"),
+        (pack(header(tensors=[{"dtype": "object", "n": 4}])), "schema"),
+        (pack(header(group="open:other")), "group"),
+        (pack(header(fp="0" * 24)), "fingerprint"),
+        (pack(header(unit=5)), "schema"),
+        (msgpack.packb(header(pad="x" * 70_000)), "oversized"),
+        (msgpack.packb(msgpack.ExtType(1, b"x")), "garbage"),
+    ],
+)
+def test_bad_headers_are_rejected(data, reason):
+    with pytest.raises(Rejected) as err:
+        parse_header(data, EXPECT)
+    assert err.value.reason == reason
+
+
+def test_frames_must_match_the_header():
+    h = parse_header(pack(header()), EXPECT)
+    for frames in ([], [bytes(15)], [bytes(16), bytes(4)]):
+        with pytest.raises(Rejected) as err:
+            check_frames(h, frames)
+        assert err.value.reason == "truncated"
+
+
+def test_fingerprint_sees_names_and_shapes():
+    a = fingerprint([(0, [("w", (4, 4))]), (1, [("b", (4,))])])
+    assert a == fingerprint([(0, [("w", (4, 4))]), (1, [("b", (4,))])])
+    assert a != fingerprint([(0, [("w", (4, 5))]), (1, [("b", (4,))])])
+    assert a != fingerprint([(0, [("v", (4, 4))]), (1, [("b", (4,))])])
+
+
+@pytest.mark.parametrize("name,tol", [("fp32", 0.0), ("bf16", 2**-8), ("int8", 1 / 127)])
+def test_codecs_roundtrip_within_their_precision(name, tol):
+    x = torch.randn(1000) * 0.02
+    x[:BLOCK] *= 50  # one block of large values must not cost the others their precision
+    codec = get_codec(name)
+    y = roundtrip(codec, x)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    if name == "int8":
+        for b in range(0, 1000, BLOCK):
+            blk = x[b : b + BLOCK]
+            assert (y[b : b + BLOCK] - blk).abs().max() <= blk.abs().max() * tol / 2 + 1e-9
+    else:
+        assert ((y - x).abs() <= x.abs() * tol).all()
+    assert codec.wire_bytes(1000) == sum(b.nbytes for b in codec.encode(x)[1])
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_codecs_reject_nonfinite_and_wrong_sizes(name):
+    codec = get_codec(name)
+    x = torch.randn(100)
+    x[7] = float("nan")
+    metas, bufs = codec.encode(x)
+    with pytest.raises(Rejected) as err:
+        decode_checked(codec, metas, bufs, 100)
+    assert err.value.reason == "nonfinite"
+    with pytest.raises(Rejected):
+        decode_checked(codec, metas, bufs, 99)
+
+
+class FakeParams:
+    """UnitParams over plain tensors."""
+
+    def __init__(self, tensors):
+        self.t = tensors
+        self.units = list(range(len(tensors)))
+
+    def snapshot(self, u):
+        return self.t[u].clone()
+
+    def add(self, u, delta):
+        self.t[u] += delta
+
+
+def test_gossip_merge_keeps_local_progress():
+    p = FakeParams([torch.zeros(4)])
+    snap = p.snapshot(0)
+    p.t[0] += 1.0  # an optimizer step lands while the exchange is on the wire
+    GossipMerge(p).merge(0, snap, torch.full((4,), 2.0) - snap, beta=0.5)
+    assert torch.allclose(p.t[0], torch.full((4,), 2.0))  # mean(0, 2) + the step
+
+
+def test_diloco_with_unit_lr_and_no_momentum_is_gossip():
+    a, b = FakeParams([torch.zeros(4)]), FakeParams([torch.zeros(4)])
+    d = DiLoCoMerge(a, inner_steps=2, lr=1.0, momentum=0.0)
+    g = GossipMerge(b)
+    d.step = 1
+    assert not d.due(0)
+    d.step = 2
+    assert d.due(0)
+    for m in (d, g):
+        m.params.t[0] += 0.5  # inner steps
+    remote = torch.full((4,), 3.0)
+    d.merge(0, a.snapshot(0), remote - a.snapshot(0), 0.25)
+    g.merge(0, b.snapshot(0), remote - b.snapshot(0), 0.25)
+    assert torch.allclose(a.t[0], b.t[0]) and not d.due(0)
+
+
+def test_diloco_outer_step_is_nesterov():
+    p = FakeParams([torch.zeros(1)])
+    d = DiLoCoMerge(p, inner_steps=1, lr=0.7, momentum=0.9)
+    p.t[0] -= 1.0  # inner progress; the partner agrees exactly: g = outer - target = 1
+    d.merge(0, p.snapshot(0), torch.zeros(1), 0.5)
+    # m = 1; outer = 0 - 0.7 * (1 + 0.9 * 1)
+    assert math.isclose(float(p.t[0]), -0.7 * 1.9, rel_tol=1e-6)
+
+
+def peer(pid, bw=None, last=None, rtt=1e-3):
+    p = PeerState(pid, f"tcp://127.0.0.1:{1000 + len(pid)}", 1, ready=True, rtt=rtt, bw=bw)
+    p.first_seen = time.monotonic() - 100
+    p.last_exchange = last
+    return p
+
+
+def test_flow_selection_prefers_fast_links_but_starves_no_one():
+    now = time.monotonic()
+    fast = peer("fast", bw=125e6, last=now - 0.05)
+    slow1 = peer("slow1", bw=2.5e6, last=now - 0.05)
+    slow2 = peer("slow2", bw=2.5e6, last=now - 0.05)
+    sel = FlowSelector("me", explore=0.1, rng=random.Random(0))
+    counts = {"fast": 0, "slow1": 0, "slow2": 0}
+    for _ in range(300):
+        counts[sel.choose([fast, slow1, slow2], 1_000_000).id] += 1
+    assert counts["fast"] > 200 and counts["slow1"] > 0 and counts["slow2"] > 0
+    slow1.last_exchange = now - 60  # a link left alone long enough becomes worth its cost
+    picks = [sel.choose([fast, slow1, slow2], 1_000_000).id for _ in range(200)]
+    assert picks.count("slow1") > 100
+
+
+def test_flow_cost_uses_both_directions_and_load():
+    sel = FlowSelector("me")
+    p = peer("p", bw=10e6)
+    base = sel.cost(p, 1_000_000, 10e6)
+    p.their_links["me"] = (1e6, 1e-3)  # the other direction is slow
+    assert sel.cost(p, 1_000_000, 10e6) > base
+    q = peer("q", bw=10e6)
+    q.served, q.load = 0.05, 15.0  # busy serving others
+    assert sel.cost(q, 1_000_000, 10e6) > base
+
+
+def test_random_selection_is_uniform():
+    sel = RandomSelector(random.Random(1))
+    ps = [peer(f"p{i}") for i in range(4)]
+    counts = {p.id: 0 for p in ps}
+    for _ in range(4000):
+        counts[sel.choose(ps, 1).id] += 1
+    assert all(900 < c < 1100 for c in counts.values())
+    assert sel.choose([], 1) is None
+
+
+def test_peer_table_liveness_goodbye_and_restart():
+    t = PeerTable("me", dead_after=0.2, penalty_s=10)
+    h = {"from": "a", "inc": 1, "ep": "tcp://127.0.0.1:1", "kind": "ping", "ready": True,
+         "step": 5, "samples": 20, "peers": [{"id": "b", "ep": "tcp://127.0.0.1:2", "inc": 3,
+                                              "step": 1, "ready": True}]}  # fmt: skip
+    t.heard(h)
+    assert [p.id for p in t.candidates()] == ["a"]  # b is only hearsay until it answers
+    assert t.get("b").status == "dead"
+    t.penalise("a")
+    assert t.candidates() == []
+    t.penalties.clear()
+    time.sleep(0.25)
+    assert t.sweep() == ["a"] and t.candidates() == []
+    t.heard(h)
+    t.left("a", 1)
+    assert t.get("a").status == "left"
+    t.heard(h)  # a stale message from the incarnation that left
+    assert t.get("a").status == "left"
+    t.heard(dict(h, inc=2))  # restarted
+    assert t.get("a").status == "alive" and t.get("a").incarnation == 2
+
+
+def test_token_bucket_paces_to_the_rate():
+    bucket = TokenBucket(1e6, burst=0)
+    assert math.isclose(bucket.reserve(100_000), 0.1, rel_tol=0.05)
+    assert math.isclose(bucket.reserve(100_000), 0.2, rel_tol=0.05)  # queued behind the first
+    shaper = LinkShaper(0.0, {"slow": 8.0})  # 1 MB/s
+    assert shaper.delay(("fast", "tcp://127.0.0.1:1"), 10**7) == 0.0
+    stop = threading.Event()
+    t0 = time.monotonic()
+    assert shaper.wait(("slow",), 64 * 1024 + 100_000, stop)
+    assert 0.08 < time.monotonic() - t0 < 0.5
+    shared = LinkShaper(1000.0, {"x+y": 8.0})  # x and y behind one 1 MB/s uplink
+    assert shared.delay(("x",), 64 * 1024 + 100_000) > 0.05
+    assert shared.delay(("y",), 100_000) > 0.15  # queued behind x's bytes
+    assert shared.delay(("z",), 100_000) < 0.01  # elsewhere: the 1 Gb/s default
+    assert shared.rate_mbps("y") == 8.0 and shared.rate_mbps("z") == 1000.0
+
+
+def test_config_refuses_open_non_loopback_listen():
+    with pytest.raises(ConfigError, match="needs a group key"):
+        load_config(None, ["gossip.listen=tcp://0.0.0.0:5555"])
+    cfg = load_config(None, ["gossip.listen=tcp://0.0.0.0:5555", "gossip.insecure=true"])
+    assert cfg.gossip.enabled
+    for bad in ["gossip.listen=http://x:1", "gossip.codec=zip", "gossip.strategy=allreduce"]:
+        with pytest.raises(ConfigError):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="needs gossip.listen"):
+        load_config(None, ["gossip.join=tcp://127.0.0.1:1"])
+    assert is_loopback("tcp://127.0.0.1:1") and is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://192.168.1.2:5555")
+    assert parse_rates("a=20, tcp://127.0.0.1:5=1000") == {"a": 20.0, "tcp://127.0.0.1:5": 1000.0}
+    with pytest.raises(ValueError):
+        parse_rates("a=0")
+
+
+def test_keygen_bundles_and_adding_a_peer(tmp_path):
+    bundles = keygen(tmp_path / "g", ["alice", "bob"])
+    alice = load_bundle(bundles[0])
+    bob = load_bundle(bundles[1])
+    assert alice.name == "alice" and bob.name == "bob"
+    assert alice.group_public == bob.group_public and alice.public != bob.public
+    assert sorted(p.name for p in alice.allowed_dir.glob("*.key")) == ["alice.key", "bob.key"]
+    keygen(tmp_path / "g", ["carol"])  # existing bundles learn carol's public key
+    assert (bundles[0] / "allowed" / "carol.key").exists()
+    with pytest.raises(ConfigError, match="already exists"):
+        keygen(tmp_path / "g", ["bob"])
+    with pytest.raises(ConfigError, match="not a peer bundle"):
+        load_bundle(tmp_path / "g")
