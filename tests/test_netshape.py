@@ -6,10 +6,12 @@ no `ip netns`, tc missing); the link-matrix checks run everywhere.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +80,10 @@ with NetShape(2, 50, tag=sys.argv[1]) as net:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_on_signal(sig):
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, f"sig{int(sig)}"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD, f"sig{int(sig)}"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,  # so that `tools` imports
     )
     try:
         assert proc.stdout is not None
@@ -101,7 +106,7 @@ def test_cleanup_removes_namespaces_of_dead_processes():
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         assert name in netshape.stale_namespaces()
-        mine = f"{netshape.PREFIX}-{__import__('os').getpid()}-live-0"
+        mine = f"{netshape.PREFIX}-{os.getpid()}-live-0"
         subprocess.run(["ip", "netns", "add", mine], check=True)
         try:
             assert mine not in netshape.stale_namespaces()  # our own process is alive

@@ -114,6 +114,17 @@ def finish(procs: list[subprocess.Popen], timeout: float = 120) -> None:
             p.wait(10)
 
 
+def cpu_seconds(procs: list[subprocess.Popen]) -> list[float]:
+    """Wait for each child; the CPU seconds it used, all threads (immune to the machine
+    being slowed by others, unlike wall time)."""
+    out = []
+    for p in procs:
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.append(usage.ru_utime + usage.ru_stime)
+    return out
+
+
 def records(run: Path) -> list[dict]:
     out = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
@@ -158,6 +169,7 @@ def bench_overhead(work: Path, steps: int, repeats: int) -> dict:
     shards, _ = prepare_data(work / "data")
     args = MODEL + COMMON + ["--set", f"train.data={shards[0]}", "--max-steps", str(steps)]
     results: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     exchanges = []
     for r in range(repeats):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # ABBA: cancels drift
@@ -189,7 +201,7 @@ def bench_overhead(work: Path, steps: int, repeats: int) -> dict:
                         work / f"{runs[1].name}.log",
                     )
                 )
-            finish(procs)
+            cpu[mode].append(statistics.mean(cpu_seconds(procs)))
             times = []
             for run in runs:
                 recs = records(run)[20:]  # after warm-up
@@ -199,12 +211,17 @@ def bench_overhead(work: Path, steps: int, repeats: int) -> dict:
                     exchanges.append(c.get("exchange.ok", 0) / sum(x["step_time_s"] for x in recs))
             results[mode].append(statistics.mean(times))
             print(
-                f"  overhead repeat {r} {mode}: median step {results[mode][-1] * 1000:.1f} ms",
+                f"  overhead repeat {r} {mode}: median step {results[mode][-1] * 1000:.1f} ms, "
+                f"{cpu[mode][-1]:.1f} CPU s per process",
                 flush=True,
             )
     off, on = statistics.median(results["off"]), statistics.median(results["on"])
     paired = [b / a for a, b in zip(results["off"], results["on"], strict=True)]
+    cpu_paired = [b / a for a, b in zip(cpu["off"], cpu["on"], strict=True)]
     return {
+        "cpu_s_per_process": cpu,  # whole run, start-up included (~2 s of imports)
+        "cpu_paired_ratios": cpu_paired,
+        "cpu_paired_ratio_median": statistics.median(cpu_paired),
         "step_s_off": off,
         "step_s_on": on,
         "ratio": on / off,
@@ -447,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             f"overhead: {o['step_s_off'] * 1000:.1f} ms alone, {o['step_s_on'] * 1000:.1f} ms "
             f"with gossip: {o['ratio']:.3f}x; per repeat "
             f"{', '.join(f'{r:.3f}' for r in o['paired_ratios'])} (median "
-            f"{o['paired_ratio_median']:.3f}x); {o['exchanges_per_s_per_peer']:.1f} exchanges/s "
-            "per peer",
+            f"{o['paired_ratio_median']:.3f}x); CPU time {o['cpu_paired_ratio_median']:.3f}x; "
+            f"{o['exchanges_per_s_per_peer']:.1f} exchanges/s per peer",
             flush=True,
         )
     if args.what in ("throughput", "all"):
