@@ -429,9 +429,13 @@ class SwapEngine:
         """(stem, tensors) per unit for checkpoint.save_checkpoint: weights, optimizer."""
         self.wait_idle()
         for buf, opt in zip(self.store.buffers, self.optimizers, strict=True):
-            tensors = dict(buf.spec.owned_views(buf.master))
-            for key in ("exp_avg", "exp_avg_sq"):
-                flat = self._state_flat(opt, buf, key)
+            # One consistent snapshot per unit: peers may merge into master between steps,
+            # under this lock, so copy weights and state while holding it (one unit of RAM).
+            with buf.lock:
+                master = buf.master.clone()
+                states = {key: self._state_flat(opt, buf, key) for key in ("exp_avg", "exp_avg_sq")}
+            tensors = dict(buf.spec.owned_views(master))
+            for key, flat in states.items():
                 if flat is not None:
                     for name, view in buf.spec.owned_views(flat).items():
                         tensors[f"optim.{key}.{name}"] = view
