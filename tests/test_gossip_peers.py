@@ -59,6 +59,16 @@ def weights(peer) -> torch.Tensor:
     return torch.cat([peer.params.snapshot(u) for u in peer.params.units])
 
 
+def initial_weights(seed: int) -> torch.Tensor:
+    """A peer's weights before any gossip (init depends only on the seed)."""
+    engine = build_engine(tiny_config(train={"seed": seed}))
+    try:
+        params = UnitParams(engine)
+        return torch.cat([params.snapshot(u) for u in params.units])
+    finally:
+        engine.close()
+
+
 def distance(peers) -> float:
     xs = torch.stack([weights(p) for p in peers])
     return float((xs - xs.mean(0)).pow(2).mean().sqrt())
@@ -77,8 +87,11 @@ def test_consensus_distance_falls_and_the_mean_is_kept(group):
     a = group("a", seed=1)
     b = group("b", seed=2, join=a.endpoint)
     c = group("c", seed=3, join=b.endpoint)  # joins through b; learns a by gossip
-    start = distance([a, b, c])
-    mean0 = torch.stack([weights(p) for p in (a, b, c)]).mean(0)
+    # the starting point from the seeds themselves: snapshots of running peers would race
+    # exchanges already in flight and make the "before" inconsistent
+    inits = torch.stack([initial_weights(s) for s in (1, 2, 3)])
+    start = float((inits - inits.mean(0)).pow(2).mean().sqrt())
+    mean0 = inits.mean(0)
     wait_until(lambda: distance([a, b, c]) < 1e-3 * start, 15, "consensus")
     mean1 = torch.stack([weights(p) for p in (a, b, c)]).mean(0)
     # pairwise averages with equal weights conserve the sum: the group's mean is kept
