@@ -193,9 +193,10 @@ def test_poisoned_reply_is_not_applied_and_its_sender_is_shunned(group):
 
     b.averager.serve_exchange = poisoned
     wait_until(lambda: any(p.id == "b" for p in a.table.candidates()), 5, "b known to a")
-    before = weights(a)
     assert not a.averager.exchange(a.table.get("b"), 1)
-    assert torch.equal(weights(a), before)
+    # the poison (an inf) never lands; b may meanwhile have pushed an honest exchange of its
+    # own into a, so a's weights are not compared for equality here
+    assert bool(torch.isfinite(weights(a)).all())
     assert a.counters.get("rejected.nonfinite") == 1
     assert all(p.id != "b" for p in a.table.candidates())  # not chosen for penalty_s
 
