@@ -36,7 +36,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -44,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
+from tools.cpuload import ForeignLoad, wait_quiet
 
 log = logging.getLogger("bench_vs_pipeline")
 
@@ -79,76 +78,6 @@ def child_env() -> dict[str, str]:
         os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
         PYTHONPATH=f"{root}:{path}" if path else root,
     )  # fmt: skip
-
-
-# ------------------------------------------------------------------ foreign load
-def _busy_s() -> float:
-    """CPU seconds all cores have spent running processes since boot (/proc/stat: user,
-    nice, system; not interrupts, whose time no process is charged for: our own network
-    traffic would otherwise count as someone else's)."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:4]]
-    return sum(ticks) / os.sysconf("SC_CLK_TCK")
-
-
-def _ours_s() -> float:
-    """CPU seconds used by this process and its waited-for descendants."""
-    own, kids = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def foreign_share(seconds: float = 5.0) -> float:
-    """Share of all cores other users' processes use now (sampled over `seconds`)."""
-    with ForeignLoad() as load:
-        time.sleep(seconds)
-    return load.share
-
-
-def wait_quiet(limit: float, max_wait_s: float) -> float:
-    """Wait (at most max_wait_s) until other users use less than `limit` of the CPU."""
-    deadline = time.monotonic() + max_wait_s
-    share = foreign_share()
-    while share > limit and time.monotonic() < deadline:
-        log.info("other users take %.0f%% of the CPU: waiting for a quiet machine", share * 100)
-        time.sleep(20)
-        share = foreign_share()
-    return share
-
-
-class ForeignLoad:
-    """CPU time other users' processes took while a run was on (the machine is shared):
-    busy time from /proc/stat less what this process and its children used."""
-
-    def __enter__(self) -> ForeignLoad:
-        self.t, self.busy, self.ours = time.monotonic(), _busy_s(), _ours_s()
-        self.procs = _cpu_by_process()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        wall = time.monotonic() - self.t
-        foreign = (_busy_s() - self.busy) - (_ours_s() - self.ours)
-        self.cpu_s = max(0.0, foreign)
-        self.share = self.cpu_s / (wall * (os.cpu_count() or 1))
-        now = _cpu_by_process()
-        mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
-        deltas = [(now[p][0] - self.procs[p][0], now[p][1]) for p in now
-                  if p in self.procs and p not in mine]  # fmt: skip
-        # the other processes that ran longest (those alive at both ends): who it was
-        self.top = [f"{name} {d:.0f}s" for d, name in sorted(deltas, reverse=True)[:3] if d >= 1]
-
-
-def _cpu_by_process() -> dict[int, tuple[float, str]]:
-    out = {}
-    for p in psutil.process_iter(["name", "cmdline"]):
-        try:
-            t = p.cpu_times()
-            cmd = " ".join((p.info["cmdline"] or [p.info["name"] or "?"])[:4])
-            out[p.pid] = (t.user + t.system, cmd[:60])
-        except (psutil.Error, OSError):
-            pass
-    return out
 
 
 # ------------------------------------------------------------------ preparation

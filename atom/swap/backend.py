@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atom.swap.malloc import keep_freed_blocks
+
 log = logging.getLogger(__name__)
 
 
@@ -152,6 +154,7 @@ class CpuBackend(Backend):
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self._copier = _CopyWorker("atom-h2d")
+        keep_freed_blocks()  # per-visit gradients would page-fault in again every step
 
     def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
