@@ -58,7 +58,7 @@ from profiler.timing import PieceTimes
 # Fitted to the 2026-11-21 measured runs (tools/bench_vs_pipeline.py report); see
 # docs/benchmarks.md. Steps between averagings of a unit at which atom keeps half of the
 # gap between N independent runs and sync SGD.
-DEFAULT_TAU0 = 8.0
+DEFAULT_TAU0 = 5.6
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 GPU_ADAM_S_PER_PARAM = 3.5e-11  # fused Adam on the GPU: ~32 B/param at ~900 GB/s
 

@@ -38,6 +38,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -115,6 +116,58 @@ def profile(work: Path, peers: int, chunks: int) -> dict:
     }
     (work / "profile.json").write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _solo_cmd(out: Path, data: Path, steps: int) -> list[str]:
+    cfg = {**MODEL, **TRAIN, "swap.checkpoint": ATOM_ONLY["swap.checkpoint"],
+           "train.eval_interval": 0, "train.ckpt_interval": 0, "train.data": data}  # fmt: skip
+    return [sys.executable, "-m", "atom.cli", "train", "--no-progress", "--max-steps",
+            str(steps), "--out", str(out)] + sets(cfg)  # fmt: skip
+
+
+def _median_step(run: Path, skip: int) -> float:
+    return statistics.median(r["step_time_s"] for r in _records(run / "metrics.jsonl")[skip:])
+
+
+def contention(work: Path, data: Path, peers: int, steps: int = 300) -> dict:
+    """How much slower one atom trainer steps when `peers` of them share this machine's
+    cores (no network, no gossip): the compute scale the simulator is fed when it is
+    validated here. Assuming peers / cores ignores the trainers' extra threads and
+    their contention for caches and memory."""
+    base = work / "contention"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    timeout = steps * 2 + 120
+    with open(base / "solo.log", "w") as f:
+        subprocess.run(_solo_cmd(base / "solo", data, steps), stdout=f, stderr=subprocess.STDOUT,
+                       env=child_env(), timeout=timeout, check=True)  # fmt: skip
+    procs = []
+    for i in range(peers):
+        with open(base / f"shared{i}.log", "w") as f:
+            procs.append(subprocess.Popen(_solo_cmd(base / f"shared{i}", data, steps), stdout=f,
+                                          stderr=subprocess.STDOUT, env=child_env()))  # fmt: skip
+    codes = _finish(procs, timeout * peers)
+    if any(codes):
+        raise RuntimeError(f"contention run failed: exit codes {codes} (logs in {base})")
+    skip = steps // 10
+    solo = _median_step(base / "solo", skip)
+    shared = [_median_step(base / f"shared{i}", skip) for i in range(peers)]
+    out = {"steps": steps, "solo_step_s": solo, "shared_step_s": shared,
+           "compute_scale": statistics.mean(shared) / solo}  # fmt: skip
+    log.info("%d trainers on %d cores: %.2fx the solo step (%.1f ms)", peers, os.cpu_count(),
+             out["compute_scale"], solo * 1e3)  # fmt: skip
+    return out
+
+
+def measure_contention(work: Path, data: Path, peers: int, redo: bool = False) -> None:
+    """Add the measured compute scale to profile.json (once, or again with redo)."""
+    path = work / "profile.json"
+    prof = json.loads(path.read_text())
+    if "contention" in prof and not redo:
+        return
+    log.info("timing %d trainers sharing the cores (no network)", peers)
+    prof["contention"] = contention(work, data, peers)
+    path.write_text(json.dumps(prof, indent=1) + "\n")
 
 
 def reference(work: Path, data: Path, peers: int, steps: int) -> Path:
@@ -238,6 +291,7 @@ def sweep(args: argparse.Namespace) -> None:
     if args.reprofile or not (work / "profile.json").exists():
         log.info("profiling the model's pieces on one thread")
         profile(work, args.peers, args.chunks)
+    measure_contention(work, data, args.peers, args.reprofile)
     if args.reference_steps:
         log.info("sync-SGD reference: %d steps", args.reference_steps)
         reference(work, data, args.peers, args.reference_steps)
@@ -322,7 +376,7 @@ def one_run(args, net, system: str, mbps: float, out: Path, data: Path, port: in
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["run", "report", "all"])
+    ap.add_argument("what", choices=["run", "report", "all", "contention"])
     ap.add_argument("--work", default="runs/bench_vs_pipeline")
     ap.add_argument("--mbps", type=float, nargs="+", default=[1000, 100, 20, 5])
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
@@ -350,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default="docs", help="where the figures go")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.what == "contention":  # no root needed: re-measure the compute scale alone
+        work = Path(args.work)
+        measure_contention(work, prepare(work), args.peers, redo=True)
     if args.what in ("run", "all"):
         sweep(args)
     if args.what in ("report", "all"):

@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def predictions(work: Path, profile: dict, rates: list[float], peers: int, chunks: int,
-                tau0: float) -> dict:  # fmt: skip
+                tau0: float, scale: float) -> dict:  # fmt: skip
     """The simulator's view of every run: fed the one-thread profile, compute slowed by
-    processes / cores (4 processes took turns on 2 cores in every run)."""
+    `scale` (4 processes took turns on 2 cores in every run)."""
     import torch
 
     from atom.config import load_config
@@ -37,7 +37,6 @@ def predictions(work: Path, profile: dict, rates: list[float], peers: int, chunk
     cfg = load_config(None, overrides() + [f"swap.checkpoint={ATOM_ONLY['swap.checkpoint']}"])
     hw = HardwareSpec.from_dict(profile["hardware"])
     table = {int(k): PieceTimes(**v) for k, v in profile["pieces"].items()}
-    scale = max(1.0, peers / profile["cores"])
     m = Machine(hw, torch.float32, _scaled_times(table), scale)
     s = cfg.swap
     plan = Candidate(s.layers_per_unit, s.prefetch, cfg.train.micro_batch, 1, s.checkpoint,
@@ -89,7 +88,12 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
             if eta is not None and res["tau_steps"] < float("inf"):
                 pairs.append((res["tau_steps"], eta))
     tau0 = an.fit_tau0(pairs, peers) if pairs else DEFAULT_TAU0
-    pred = predictions(work, profile, rates, peers, chunks, tau0)
+    # the compute scale: measured (trainers sharing the cores, no network) when the sweep
+    # measured it, else assumed processes / cores; both errors are reported
+    assumed = max(1.0, peers / profile["cores"])
+    measured = profile.get("contention", {}).get("compute_scale")
+    pred = predictions(work, profile, rates, peers, chunks, tau0, measured or assumed)
+    pred_assumed = predictions(work, profile, rates, peers, chunks, tau0, assumed)
     if target_loss is None:  # the lowest loss every atom run and the reference reached
         finals = [runs[k]["curve"][-1]["val_loss"] for k in runs if k[0] == "atom"]
         target_loss = round(max(finals + [ref[-1][1] if ref else 0]) + 0.005, 2)
@@ -113,6 +117,10 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
                 "foreign_cpu_share": res["foreign_cpu_share"],
             })  # fmt: skip
     errs = [abs(x["pred_tokens_per_s"] / x["tokens_per_s"] - 1) for x in rows]
+    errs_assumed = [
+        abs(pred_assumed["by_run"][(x["system"], x["mbps"])].tokens_per_s / x["tokens_per_s"] - 1)
+        for x in rows
+    ]
     t_errs = [
         abs(x["pred_time_to_target_s"] / x["time_to_target_s"] - 1)
         for x in rows
@@ -124,6 +132,10 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
         "chunks": chunks,
         "seconds": index[0]["seconds"],
         "compute_scale": pred["scale"],
+        "compute_scale_assumed": assumed,
+        "throughput_error_mean_abs_assumed_scale": (
+            statistics.mean(errs_assumed) if errs_assumed else None
+        ),
         "target_loss": target_loss,
         "reference_tokens_to_target": need,
         "tau0": tau0,
@@ -150,7 +162,9 @@ def markdown(s: dict) -> str:
     lines = [
         f"Target loss {s['target_loss']:.2f} (the sync-SGD reference needs "
         f"{(s['reference_tokens_to_target'] or 0) / 1e6:.2f}M tokens); fitted tau0 "
-        f"{s['tau0']:.2f} steps; compute scale {s['compute_scale']:g}.",
+        f"{s['tau0']:.2f} steps; compute scale {s['compute_scale']:.2f} "
+        f"({'measured' if s['compute_scale'] != s['compute_scale_assumed'] else 'assumed'}"
+        f"; processes / cores would be {s['compute_scale_assumed']:g}).",
         "",
         "| link | system | steps | tokens/s | val loss at end | time to target | "
         "other users' CPU |",
@@ -190,7 +204,13 @@ def markdown(s: dict) -> str:
                 if s["time_error_mean_abs"] is not None
                 else ""
             )
-            + ".",
+            + "."
+            + (
+                f" With the assumed compute scale: mean |error| "
+                f"{s['throughput_error_mean_abs_assumed_scale']:.0%}."
+                if s["compute_scale"] != s["compute_scale_assumed"]
+                else ""
+            ),
         ]
     return "\n".join(lines)
 
