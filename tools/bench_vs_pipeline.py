@@ -1,13 +1,16 @@
 """atom vs GPipe pipeline parallel vs synchronous data parallel on kernel-shaped links.
 
     sudo .venv/bin/python -m tools.bench_vs_pipeline run --mbps 1000 100 20 5 --seconds 90
+    .venv/bin/python -m tools.bench_vs_pipeline contention      # re-time the compute scale
     .venv/bin/python -m tools.bench_vs_pipeline report          # evaluate, tables, figures
     sudo .venv/bin/python -m tools.bench_vs_pipeline all --mbps 1000 100 20 5 --seconds 90
 
 `run` needs root (it makes network namespaces with tools/netshape.py). It
 
 1. prepares the data (the stdlib corpus, byte tokens) and times the model's pieces on one
-   thread with the profiler (profile.json: what `atom simulate` is fed for validation);
+   thread with the profiler (profile.json: what `atom simulate` is fed for validation),
+   and how much slower one trainer steps while N of them share the cores (the compute
+   scale the simulator is given; `contention` re-measures it alone, without root);
 2. trains a sync-SGD reference (one process, no network, batch = peers x micro_batch,
    --reference-steps steps): loss against tokens, to measure atom's convergence per token;
 3. for every link rate: builds N namespaces on a bridge, every link i -> j shaped to the
