@@ -350,9 +350,9 @@ class Trainer:
 
 
 class _SigintAtStepBoundary:
-    """Ctrl+C takes effect between optimizer steps. A KeyboardInterrupt raised inside a
-    swapped step can leave units waiting for an update that is never submitted, and the
-    checkpoint Ctrl+C saves would then wait for them. A second Ctrl+C interrupts at once."""
+    """Ctrl+C takes effect between optimizer steps, so the step under way is finished and
+    saved rather than thrown away. A second Ctrl+C interrupts at once (the engine then
+    abandons the step cleanly: SwapEngine._abandon_step)."""
 
     def __enter__(self) -> _SigintAtStepBoundary:
         self.pending = False

@@ -258,28 +258,49 @@ class SwapEngine:
         grad_h: torch.Tensor | None = None
         h: torch.Tensor | None = None
         x = y = None
-        self._advance(order, -1, None)
-        for pos, (m, phase, u) in enumerate(order):
-            if phase == "f" and u == 0:
-                x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
-                h = x
-            if not self.slots.has(u):
-                self._load(u)
-            flat = self.slots.acquire(u)
-            last_micro = m == n_micro - 1
-            if phase == "f" and u < N - 1:
-                h = self._forward_unit(u, flat, h, ckpt, saved)
-            elif phase == "f":  # head: forward with grad and its backward right away
-                loss, grad_h, p_grad = self._head_step(u, flat, h, y, scale)
-                loss_sum += loss.detach()
-                self._post_grads(u, p_grad, first=m == 0, last=last_micro)
-                h = None
-            else:
-                grad_h, p_grad = self._backward_unit(u, flat, grad_h, ckpt, saved)
-                self._post_grads(u, p_grad, first=m == 0, last=last_micro)
-            self._advance(order, pos, u)
-        self.slots.release_all()
+        ledger_at_start = self.ledger.current
+        try:
+            self._advance(order, -1, None)
+            for pos, (m, phase, u) in enumerate(order):
+                if phase == "f" and u == 0:
+                    x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
+                    h = x
+                if not self.slots.has(u):
+                    self._load(u)
+                flat = self.slots.acquire(u)
+                last_micro = m == n_micro - 1
+                if phase == "f" and u < N - 1:
+                    h = self._forward_unit(u, flat, h, ckpt, saved)
+                elif phase == "f":  # head: forward with grad and its backward right away
+                    loss, grad_h, p_grad = self._head_step(u, flat, h, y, scale)
+                    loss_sum += loss.detach()
+                    self._post_grads(u, p_grad, first=m == 0, last=last_micro)
+                    h = None
+                else:
+                    grad_h, p_grad = self._backward_unit(u, flat, grad_h, ckpt, saved)
+                    self._post_grads(u, p_grad, first=m == 0, last=last_micro)
+                self._advance(order, pos, u)
+            self.slots.release_all()
+        except BaseException:
+            self._abandon_step(ledger_at_start)
+            raise
         return self._finish_step(loss_sum, n_micro)
+
+    def _abandon_step(self, ledger_at_start: int) -> None:
+        """A step that raised (a bad batch, Ctrl+C inside it) leaves nothing half-done:
+        slots are freed, the host worker finishes what it was given, and units whose
+        update was deferred to the end of the step are unblocked without one (their
+        partial gradients are overwritten by the next step's first micro-batch). Without
+        this, the next load or checkpoint would wait for updates never submitted."""
+        try:
+            self.slots.release_all()
+        finally:
+            try:
+                self.worker.drain()
+            except RuntimeError:
+                log.exception("host worker failed while abandoning a step")
+            self._unblock_all()
+            self.ledger.current = ledger_at_start
 
     def _forward_unit(self, u, flat, h, ckpt: bool, saved: dict) -> torch.Tensor:
         if ckpt:
