@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from atom import simulate as simulate_command
@@ -148,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate_like_ctrl_c(signum, frame) -> None:
+    """SIGTERM (docker stop, systemd, kill) stops training the way Ctrl+C does: at the
+    next step boundary, with a checkpoint and a goodbye to the peers."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
+
+
 def cmd_train(args) -> int:
     from atom.train import Trainer, host_bytes_needed
 
@@ -195,11 +207,18 @@ def cmd_train(args) -> int:
         f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB",
         flush=True,
     )
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = (
+        signal.signal(signal.SIGTERM, _terminate_like_ctrl_c) if main_thread else None
+    )
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
         print("atom: interrupted; checkpoint saved in " + str(Path(args.out) / "checkpoints"))
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
     if summary.history:
         first = summary.history[0]["loss"]
         print(
@@ -315,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"atom: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training began (profiling, joining peers, ...)
+        print(f"atom {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

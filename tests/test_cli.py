@@ -168,3 +168,60 @@ def test_a_model_too_big_for_host_ram_is_refused_up_front(capsys):
     )
     assert code == 2
     assert "GiB of host RAM" in err and "available" in err
+
+
+def _default_sigint() -> None:
+    # a pytest run as a shell's background job ignores SIGINT, and children inherit that
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_stop_signal_saves_a_checkpoint_and_exits_130(tmp_path, text_dataset, sig):
+    """docker stop / kill (SIGTERM) and Ctrl+C (SIGINT) both stop at a step boundary
+    with a checkpoint of the last finished step."""
+    import signal
+    import time
+
+    from atom.checkpoint import load_checkpoint
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "atom.cli", "train", "--no-progress", "--out", str(out),
+           "--max-steps", "100000", "--set", "model.n_layer=2", "--set", "model.seq_len=32",
+           "--set", f"train.data={text_dataset}", "--set", "train.eval_interval=0"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=_default_sigint)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = out / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(getattr(signal, sig))
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    latest = max((out / "checkpoints").glob("step_*"))
+    assert load_checkpoint(latest).meta["step"] == steps[-1]
+
+
+def test_ctrl_c_before_training_is_one_line_exit_130(monkeypatch, capsys):
+    """Ctrl+C while profiling or joining peers: no traceback, exit 130."""
+    import atom.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atom.cli, "cmd_profile", interrupted)
+    code, out, err = run_cli(capsys, "profile")
+    assert code == 130
+    assert err.strip() == "atom profile: interrupted"
