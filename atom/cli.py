@@ -200,7 +200,7 @@ def cmd_train(args) -> int:
         )
     )
     n_params = sum(t.numel() for t in trainer.engine.named_parameters().values())
-    host = host_bytes_needed(n_params, trainer.engine.dtype)
+    host = host_bytes_needed(cfg, trainer.engine.dtype)[1]
     print(
         f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
         f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} [{mode}] "

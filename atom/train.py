@@ -53,19 +53,20 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
 
 # Host bytes per parameter the swap engine keeps: fp32 master + fp32 grad + two fp32 Adam
 # moments, plus the compute-dtype copy that crosses the bus (absent in fp32).
-def host_bytes_needed(n_params: int, dtype: torch.dtype) -> int:
-    copy = 0 if dtype == torch.float32 else torch.empty(0, dtype=dtype).element_size()
-    return n_params * (16 + copy)
+def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters, host bytes for model state): the profiler's account, so that the
+    refusal here and `atom profile`'s host-RAM column never disagree."""
+    from profiler.analysis import ModelAnalysis
+
+    a = ModelAnalysis.of(cfg)
+    return a.n_params, a.host_bytes(dtype)
 
 
 def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
     """Refuse up front, with the numbers, a run whose host buffers cannot fit in RAM."""
     import psutil
 
-    from atom.model import build_model, count_parameters
-
-    n_params = count_parameters(build_model(cfg.model))
-    need = host_bytes_needed(n_params, dtype)
+    n_params, need = host_bytes_needed(cfg, dtype)
     available = psutil.virtual_memory().available
     if need > available:
         raise ConfigError(
