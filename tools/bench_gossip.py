@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from tools.jsonl import read_records
+
 ATOM = [sys.executable, "-m", "atom.cli", "train", "--no-progress"]
 WORDS = [
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split(),
@@ -126,13 +128,7 @@ def cpu_seconds(procs: list[subprocess.Popen]) -> list[float]:
 
 
 def records(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_records(run / "metrics.jsonl")
 
 
 def weights(run: Path) -> torch.Tensor:

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from tools.cpuload import ForeignLoad, wait_quiet
+from tools.jsonl import read_records
 
 log = logging.getLogger("bench_vs_pipeline")
 
@@ -129,7 +130,7 @@ def _solo_cmd(out: Path, data: Path, steps: int) -> list[str]:
 
 
 def _median_step(run: Path, skip: int) -> float:
-    return statistics.median(r["step_time_s"] for r in _records(run / "metrics.jsonl")[skip:])
+    return statistics.median(r["step_time_s"] for r in read_records(run / "metrics.jsonl")[skip:])
 
 
 def contention(work: Path, data: Path, peers: int, steps: int = 300) -> dict:
@@ -221,18 +222,6 @@ def run_baseline(net, system: str, out: Path, data: Path, seconds: float, port: 
     return _finish(procs, seconds + 240)
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
-
-
 def _endpoint(run: Path) -> str | None:
     try:
         return json.loads((run / "gossip.json").read_text()).get("endpoint")
@@ -271,9 +260,11 @@ def run_atom(net, out: Path, data: Path, seconds: float, port: int,
                 _wait(lambda: _endpoint(peers[0]), 90, "peer 0 to listen", procs)
 
         def trained() -> float:
-            return min(sum(r["step_time_s"] for r in _records(p / "metrics.jsonl")) for p in peers)
+            return min(
+                sum(r["step_time_s"] for r in read_records(p / "metrics.jsonl")) for p in peers
+            )
 
-        _wait(lambda: all(_records(p / "metrics.jsonl") for p in peers), 240, "4 peers", procs)
+        _wait(lambda: all(read_records(p / "metrics.jsonl") for p in peers), 240, "4 peers", procs)
         _wait(lambda: trained() >= seconds, seconds * 3 + 60, f"{seconds:g} s of training", procs)
     finally:
         for p in procs:

@@ -25,23 +25,13 @@ from pathlib import Path
 
 import torch
 
+from tools.jsonl import read_records
+
 log = logging.getLogger(__name__)
 
 VAL_BATCHES, VAL_BATCH, VAL_SEED = 16, 16, 0
 LABEL = {"atom": "atom (gossip)", "pipeline": "GPipe pipeline", "ddp": "DDP (sync all-reduce)"}
 COLOR = {"atom": "tab:green", "pipeline": "tab:orange", "ddp": "tab:blue"}
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 class Evaluator:
@@ -94,7 +84,7 @@ def _throughput(points: list[tuple[float, float]]) -> float:
 def baseline_run(ev: Evaluator, run: Path, system: str, peers: int) -> dict:
     ranks = [0] if system == "ddp" else list(range(peers))
     curve = []
-    for snap in _records(run / "snapshots.jsonl"):
+    for snap in read_records(run / "snapshots.jsonl"):
         files = [run / f"snap_{snap['step']:08d}_rank{r}.pt" for r in ranks]
         if not all(f.exists() for f in files):
             continue
@@ -108,7 +98,7 @@ def baseline_run(ev: Evaluator, run: Path, system: str, peers: int) -> dict:
         val = ev.loss(_key(*files), load)
         curve.append({"wall_s": snap["wall_s"], "tokens": snap["tokens"], "val_loss": val,
                       "step": snap["step"]})  # fmt: skip
-    metrics = _records(run / "metrics_rank0.jsonl")
+    metrics = read_records(run / "metrics_rank0.jsonl")
     return {
         "curve": curve,
         "steps": metrics[-1]["step"] if metrics else 0,
@@ -127,7 +117,7 @@ def atom_run(ev: Evaluator, run: Path, peers: int, n_units: int) -> dict:
     tokens_per_step = ev.cfg.train.micro_batch * ev.cfg.model.seq_len
     for i in range(peers):
         peer = run / f"peer{i}"
-        metrics = _records(peer / "metrics.jsonl")
+        metrics = read_records(peer / "metrics.jsonl")
         if not metrics:
             continue
         wall, walls = 0.0, {}
@@ -187,7 +177,7 @@ def reference_curve(ev: Evaluator, work: Path) -> list[tuple[float, float]]:
     """(tokens, val loss) of sync SGD at the group's batch, made monotone (running min)."""
     run = work / "reference"
     out, best = [(0.0, math.log(ev.cfg.model.vocab_size))], math.inf
-    for snap in _records(run / "snapshots.jsonl"):
+    for snap in read_records(run / "snapshots.jsonl"):
         f = run / f"snap_{snap['step']:08d}_rank0.pt"
         if f.exists():
             val = ev.loss(_key(f), lambda f=f: torch.load(f, weights_only=True))

@@ -92,8 +92,12 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
     # measured it, else assumed processes / cores; both errors are reported
     assumed = max(1.0, peers / profile["cores"])
     measured = profile.get("contention", {}).get("compute_scale")
-    pred = predictions(work, profile, rates, peers, chunks, tau0, measured or assumed)
     pred_assumed = predictions(work, profile, rates, peers, chunks, tau0, assumed)
+    pred = (
+        pred_assumed
+        if measured is None
+        else predictions(work, profile, rates, peers, chunks, tau0, measured)
+    )
     if target_loss is None:  # the lowest loss every atom run and the reference reached
         finals = [runs[k]["curve"][-1]["val_loss"] for k in runs if k[0] == "atom"]
         target_loss = round(max(finals + [ref[-1][1] if ref else 0]) + 0.005, 2)
