@@ -142,8 +142,21 @@ class SwapConfig:
     prefetch: int = 1  # units loaded ahead of the one computing; slots = prefetch + 1
     checkpoint: bool = True  # keep only unit inputs in forward, recompute in backward
     offload_activations: bool = False  # with checkpoint: keep those unit inputs in host memory
+    # With grad_accum > 1: "unit" runs every micro-batch through a unit while it is loaded
+    # (weights cross the bus and gradients come back once per step; the boundary
+    # activations of all micro-batches are kept), "micro" runs micro-batch after
+    # micro-batch (one micro-batch's activations; weights and gradients move per micro-batch).
+    order: str = "unit"
+    # "exact": updates wait for the global gradient norm (clipping), equal to plain PyTorch.
+    # "eager": each unit updates as soon as its gradients land, clipped by the previous
+    # step's norm: equal to exact training whenever no step is clipped; hides the optimizer.
+    update: str = "exact"
 
     def __post_init__(self) -> None:
+        if self.order not in ("unit", "micro"):
+            raise ValueError(f"swap.order must be unit|micro, got {self.order!r}")
+        if self.update not in ("exact", "eager"):
+            raise ValueError(f"swap.update must be exact|eager, got {self.update!r}")
         if self.layers_per_unit < 1:
             raise ValueError(f"swap.layers_per_unit must be >= 1, got {self.layers_per_unit}")
         if self.prefetch < 0:

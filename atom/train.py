@@ -40,6 +40,9 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
             "train.device=cpu or install a CUDA build of torch"
         )
     device = torch.device(want)
+    if device.type == "cuda" and device.index is None:
+        # an index everywhere: torch.cuda.set_device and per-device stats refuse a bare "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
     if cfg.train.dtype != "auto":
         dtype = DTYPES[cfg.train.dtype]
     elif device.type == "cuda":

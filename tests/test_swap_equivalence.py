@@ -60,21 +60,26 @@ def train_both(cfg, backend=None):
 
 
 CASES = [
-    # arch, layers_per_unit, prefetch, grad_accum, checkpoint, grad_clip
-    ("gpt", 1, 1, 1, True, 1.0),
-    ("gpt", 2, 2, 2, True, 1.0),
-    ("gpt", 1, 0, 3, True, 0.0),
-    ("gpt", 3, 1, 1, False, 1.0),
-    ("gpt", 1, 3, 2, False, 0.0),
-    ("llama", 1, 1, 1, True, 1.0),
-    ("llama", 2, 0, 2, True, 0.0),
-    ("llama", 1, 2, 3, False, 1.0),
-    ("gpt", 2, 1, 2, "offload", 1.0),  # checkpointed inputs kept in host memory
+    # arch, layers_per_unit, prefetch, grad_accum, checkpoint, grad_clip, order
+    ("gpt", 1, 1, 1, True, 1.0, "unit"),
+    ("gpt", 2, 2, 2, True, 1.0, "unit"),
+    ("gpt", 2, 2, 2, True, 1.0, "micro"),
+    ("gpt", 1, 0, 3, True, 0.0, "unit"),
+    ("gpt", 1, 0, 3, True, 0.0, "micro"),
+    ("gpt", 3, 1, 1, False, 1.0, "unit"),
+    ("gpt", 1, 3, 2, False, 0.0, "unit"),
+    ("gpt", 1, 3, 2, False, 0.0, "micro"),
+    ("llama", 1, 1, 1, True, 1.0, "unit"),
+    ("llama", 2, 0, 2, True, 0.0, "unit"),
+    ("llama", 1, 2, 3, False, 1.0, "unit"),
+    ("llama", 1, 2, 3, False, 1.0, "micro"),
+    ("gpt", 2, 1, 2, "offload", 1.0, "unit"),  # checkpointed inputs kept in host memory
+    ("gpt", 2, 1, 2, "offload", 1.0, "micro"),
 ]
 
 
-@pytest.mark.parametrize("arch,lpu,prefetch,accum,ckpt,clip", CASES)
-def test_swapped_matches_resident(arch, lpu, prefetch, accum, ckpt, clip):
+@pytest.mark.parametrize("arch,lpu,prefetch,accum,ckpt,clip,order", CASES)
+def test_swapped_matches_resident(arch, lpu, prefetch, accum, ckpt, clip, order):
     model = {"arch": arch}
     if arch == "llama":
         model["n_kv_head"] = 2  # exercise grouped-query attention
@@ -83,6 +88,7 @@ def test_swapped_matches_resident(arch, lpu, prefetch, accum, ckpt, clip):
         "prefetch": prefetch,
         "checkpoint": bool(ckpt),
         "offload_activations": ckpt == "offload",
+        "order": order,
     }
     cfg = tiny_config(model=model, train={"grad_accum": accum, "grad_clip": clip}, swap=swap)
     swapped, resident, losses, params = train_both(cfg)
@@ -142,9 +148,12 @@ def test_slow_copies_change_nothing():
     assert swapped.slots.max_resident == 3
 
 
-def test_resident_bound_counted_at_every_load():
+@pytest.mark.parametrize("order", ["unit", "micro"])
+def test_resident_bound_counted_at_every_load(order):
     cfg = tiny_config(
-        model={"n_layer": 4}, train={"grad_accum": 2}, swap={"layers_per_unit": 1, "prefetch": 1}
+        model={"n_layer": 4},
+        train={"grad_accum": 2},
+        swap={"layers_per_unit": 1, "prefetch": 1, "order": order},
     )
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     counts = []
@@ -163,11 +172,32 @@ def test_resident_bound_counted_at_every_load():
         engine.close()
     assert len(engine.units) == 6
     assert max(counts) == 2  # never more than prefetch + 1
-    # Units needed again within the window stay resident instead of reloading:
-    # micro 0: forward loads 0..5 (6); backward reuses unit 4 (kept from the forward) and
-    # loads 3, 2, 1, 0 (4); unit 1 and 0 stay for micro 1, whose forward loads 2..5 (4) and
-    # backward 3..0 (4, unit 4 kept again). Evaluation of 2 batches loads 6 + 6.
-    assert len(counts) == 6 + 4 + 4 + 4 + 12
+    # Units needed again within the window stay resident instead of reloading.
+    # unit-major: the forward loads 0..5 once for both micro-batches (6), the backward
+    # reuses unit 4 (kept from the forward) and loads 3, 2, 1, 0 (4).
+    # micro-major: micro 0 as above (6 + 4); unit 1 and 0 stay for micro 1, whose forward
+    # loads 2..5 (4) and backward 3..0 (4, unit 4 kept again).
+    # Evaluation is unit-major: 6 loads for both batches.
+    train_loads = 6 + 4 if order == "unit" else 6 + 4 + 4 + 4
+    assert len(counts) == train_loads + 6
+
+
+@pytest.mark.parametrize("order", ["unit", "micro"])
+@pytest.mark.parametrize("accum", [1, 3])
+def test_gradients_cross_to_the_host_once_per_unit_per_step(order, accum):
+    """Unit-major: one device-to-host gradient copy per unit per optimizer step, whatever
+    grad_accum is (accumulated on the device); micro-major: one per unit per micro-batch."""
+    cfg = tiny_config(train={"grad_accum": accum}, swap={"order": order, "prefetch": 1})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        for step in range(2):
+            before = engine.d2h_copies
+            engine.train_step(batches_for(step, cfg), 1e-3)
+            per_step = engine.d2h_copies - before
+            n_units = len(engine.units)
+            assert per_step == (n_units if order == "unit" else n_units * accum)
+    finally:
+        engine.close()
 
 
 def test_evaluate_matches_resident():
@@ -264,7 +294,7 @@ def test_a_step_that_raises_leaves_the_engine_usable(clip):
     update) must not leave units blocked: with deferred updates (clipping) the failed
     step changes nothing, and the run continues exactly like one that never failed."""
     cfg = tiny_config(train={"grad_clip": clip, "grad_accum": 2})
-    posts_per_step = cfg.train.grad_accum * (cfg.model.n_layer + 2)  # head + blocks + embed
+    posts_per_step = cfg.model.n_layer + 2  # head + blocks + embed, once per step (unit-major)
     failing = SwapEngine(cfg, _FailingD2H(fail_at=posts_per_step + posts_per_step - 2),
                          torch.float32)  # fmt: skip
     clean = SwapEngine(cfg, CpuBackend(), torch.float32)

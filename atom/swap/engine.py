@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,8 +32,9 @@ from atom.model import build_model
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
 from atom.swap.backend import Backend
 from atom.swap.host_store import HostStore
+from atom.swap.schedule import GradRun, StepPlan
 from atom.swap.slots import DeviceSlots
-from atom.swap.units import UnitSpec, partition, run_unit
+from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,18 @@ class _ParamRef:
     offset: int
 
 
+@dataclass
+class _StepState:
+    """What one step carries between visits, per micro-batch."""
+
+    loss_sum: torch.Tensor
+    h: dict = field(default_factory=dict)  # micro -> hidden state at the forward frontier
+    targets: dict = field(default_factory=dict)  # micro -> targets, until the head
+    grad_h: dict = field(default_factory=dict)  # micro -> gradient at the backward frontier
+    saved: dict = field(default_factory=dict)  # (unit, micro) -> checkpoint or graph
+    acc: dict = field(default_factory=dict)  # unit -> (flat device gradient, its views)
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16 (GPUs without bf16): halve on overflow, double after
     `interval` clean steps."""
@@ -168,6 +181,9 @@ class SwapEngine:
         self.worker = HostWorker(on_error=self._unblock_all)
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
+        self._plans: dict[tuple, StepPlan] = {}
+        self.d2h_copies = 0  # gradient copies device -> host, and their bytes (benchmarks)
+        self.d2h_bytes = 0
 
     # ------------------------------------------------------------------ setup helpers
     def _make_optimizer(self, master, grad, spec: UnitSpec) -> torch.optim.Optimizer:
@@ -191,19 +207,17 @@ class SwapEngine:
         )
 
     # ------------------------------------------------------------------ schedule
-    def _window(self, order: list[tuple[int, str, int]], pos: int) -> list[int]:
-        """The next prefetch+1 distinct units after position `pos`."""
-        want, seen = self.cfg.swap.prefetch + 1, []
-        for _, _, unit in order[pos + 1 :]:
-            if unit not in seen:
-                seen.append(unit)
-                if len(seen) == want:
-                    break
-        return seen
+    def _plan(self, n_micro: int) -> StepPlan:
+        key = ("train", n_micro)
+        if key not in self._plans:
+            self._plans[key] = StepPlan.build(
+                len(self.units), n_micro, self.cfg.swap.order, self.cfg.swap.prefetch + 1
+            )
+        return self._plans[key]
 
-    def _advance(self, order, pos: int, done_unit: int | None) -> None:
+    def _advance(self, plan: StepPlan, pos: int, done_unit: int | None) -> None:
         """After position `pos`: free what is not needed soon, load what is."""
-        window = self._window(order, pos)
+        window = plan.windows[pos + 1]
         if done_unit is not None and done_unit not in window:
             self.slots.release(done_unit)
         for unit in window:
@@ -247,44 +261,40 @@ class SwapEngine:
         self._lr = lr
         n_micro = len(batches)
         N = len(self.units)
-        order = []
-        for m in range(n_micro):
-            order += [(m, "f", u) for u in range(N)] + [(m, "b", u) for u in range(N - 2, -1, -1)]
+        plan = self._plan(n_micro)
         scale = (self.scaler.scale if self.scaler else 1.0) / n_micro
         self._norm_sq = [0.0] * N
-        loss_sum = torch.zeros((), device=self.backend.device, dtype=torch.float32)
-        ckpt = self.cfg.swap.checkpoint
-        saved: dict[int, tuple] = {}
-        grad_h: torch.Tensor | None = None
-        h: torch.Tensor | None = None
-        x = y = None
+        st = _StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
         try:
-            self._advance(order, -1, None)
-            for pos, (m, phase, u) in enumerate(order):
-                if phase == "f" and u == 0:
+            self._advance(plan, -1, None)
+            for pos, v in enumerate(plan.visits):
+                m, u = v.micro, v.unit
+                if v.phase == "f" and u == 0:
                     x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
-                    h = x
+                    st.h[m], st.targets[m] = x, y
                 if not self.slots.has(u):
                     self._load(u)
                 flat = self.slots.acquire(u)
-                last_micro = m == n_micro - 1
-                if phase == "f" and u < N - 1:
-                    h = self._forward_unit(u, flat, h, ckpt, saved)
-                elif phase == "f":  # head: forward with grad and its backward right away
-                    loss, grad_h, p_grad = self._head_step(u, flat, h, y, scale)
-                    loss_sum += loss.detach()
-                    self._post_grads(u, p_grad, first=m == 0, last=last_micro)
-                    h = None
+                if v.phase == "f" and u < N - 1:
+                    st.h[m] = self._forward_unit(u, m, flat, st.h[m], st.saved)
+                elif v.phase == "f":  # head: forward with grad and its backward right away
+                    loss, st.grad_h[m], grads = self._head_step(
+                        u, flat, st.h.pop(m), st.targets.pop(m), scale
+                    )
+                    st.loss_sum += loss.detach()
+                    self._accumulate(u, grads, plan.runs[pos], st)
                 else:
-                    grad_h, p_grad = self._backward_unit(u, flat, grad_h, ckpt, saved)
-                    self._post_grads(u, p_grad, first=m == 0, last=last_micro)
-                self._advance(order, pos, u)
+                    st.grad_h[m], grads = self._backward_unit(
+                        u, m, flat, st.grad_h.pop(m), st.saved
+                    )
+                    self._accumulate(u, grads, plan.runs[pos], st)
+                self._advance(plan, pos, u)
             self.slots.release_all()
         except BaseException:
             self._abandon_step(ledger_at_start)
             raise
-        return self._finish_step(loss_sum, n_micro)
+        return self._finish_step(st.loss_sum, n_micro)
 
     def _abandon_step(self, ledger_at_start: int) -> None:
         """A step that raised (a bad batch, Ctrl+C inside it) leaves nothing half-done:
@@ -302,62 +312,85 @@ class SwapEngine:
             self._unblock_all()
             self.ledger.current = ledger_at_start
 
-    def _forward_unit(self, u, flat, h, ckpt: bool, saved: dict) -> torch.Tensor:
-        if ckpt:
+    def _forward_unit(self, u: int, m: int, flat, h, saved: dict) -> torch.Tensor:
+        if self.cfg.swap.checkpoint:
             if u > 0 and self.cfg.swap.offload_activations:
-                saved[u] = self.backend.offload(h)  # kept in host memory until backward
+                saved[u, m] = self.backend.offload(h)  # kept in host memory until backward
             else:
-                saved[u] = h
+                saved[u, m] = h
                 if u > 0:
                     self.ledger.add(h.nbytes)
             with torch.no_grad():
                 return run_unit(self.units[u], flat, h)
         counter = [0]
         h_in = h if u == 0 else h.detach().requires_grad_()
-        p = flat[: self.units[u].n_total].detach().requires_grad_()
+        leaves = param_leaves(self.units[u], flat)
         with self._hooks(u, counter):
-            out = run_unit(self.units[u], p, h_in)
-        saved[u] = (h_in, out, p, counter)
+            out = run_unit(self.units[u], leaves, h_in)
+        saved[u, m] = (h_in, out, leaves, counter)
         return out.detach()
 
     def _head_step(self, u, flat, h, y, scale):
         counter = [0]
         h_in = h.detach().requires_grad_()
-        p = flat[: self.units[u].n_total].detach().requires_grad_()
+        leaves = param_leaves(self.units[u], flat)
         with self._hooks(u, counter):
-            loss = run_unit(self.units[u], p, h_in, y)
-        grad_h, p_grad = torch.autograd.grad(loss * scale, [h_in, p])
-        self.ledger.add(p_grad.nbytes)  # released once posted to the host
+            loss = run_unit(self.units[u], leaves, h_in, y)
+        grad_h, *grads = torch.autograd.grad(loss * scale, [h_in, *leaves])
         self.ledger.sub(counter[0])
-        return loss, grad_h, p_grad
+        return loss, grad_h, grads
 
-    def _backward_unit(self, u, flat, grad_h, ckpt: bool, saved: dict):
+    def _backward_unit(self, u: int, m: int, flat, grad_h, saved: dict):
         unit = self.units[u]
+        ckpt = self.cfg.swap.checkpoint
         offloaded = ckpt and u > 0 and self.cfg.swap.offload_activations
         if ckpt:
-            x = saved.pop(u)
+            x = saved.pop((u, m))
             if offloaded:
                 x = self.backend.fetch(x)
             counter = [0]
             h_in = x if u == 0 else x.detach().requires_grad_()
-            p = flat[: unit.n_total].detach().requires_grad_()
+            leaves = param_leaves(unit, flat)
             with self._hooks(u, counter, counted=None if offloaded else h_in):
-                out = run_unit(unit, p, h_in)
+                out = run_unit(unit, leaves, h_in)
         else:
-            h_in, out, p, counter = saved.pop(u)
-        inputs = [p] if u == 0 else [h_in, p]
-        grads = torch.autograd.grad(out, inputs, grad_h)
-        self.ledger.add(grads[-1].nbytes)  # the parameter gradient, until posted
+            h_in, out, leaves, counter = saved.pop((u, m))
+        if u == 0:
+            grad_in, grads = None, torch.autograd.grad(out, leaves, grad_h)
+        else:
+            grad_in, *grads = torch.autograd.grad(out, [h_in, *leaves], grad_h)
         self.ledger.sub(counter[0])
         if ckpt and u > 0 and not offloaded:
             self.ledger.sub(h_in.nbytes)
-        return (None, grads[0]) if u == 0 else grads
+        return grad_in, grads
+
+    # ------------------------------------------------------------------ gradients
+    def _accumulate(self, u: int, grads: list[torch.Tensor], run: GradRun, st) -> None:
+        """Add one visit's parameter gradients into the unit's flat device accumulator;
+        at the end of a run of visits, send it to the host (one copy per run)."""
+        unit = self.units[u]
+        if run.first_visit:
+            # fp32 when several micro-batches add up on the device; a single visit keeps
+            # the compute dtype (half the bytes on the bus, summed in fp32 on the host)
+            dtype = self.dtype if run.length == 1 else torch.float32
+            acc = torch.empty(unit.n_total, dtype=dtype, device=self.backend.device)
+            self.ledger.add(acc.nbytes)
+            st.acc[u] = (acc, [acc[p.offset : p.offset + p.numel].view(p.shape)
+                               for p in unit.params])  # fmt: skip
+            torch._foreach_copy_(st.acc[u][1], grads)
+        else:
+            torch._foreach_add_(st.acc[u][1], grads)
+        if run.last_visit:
+            acc, _ = st.acc.pop(u)
+            self._post_grads(u, acc, first=run.first_run, last=run.last_run)
 
     # ------------------------------------------------------------------ host side
     def _post_grads(self, u: int, p_grad: torch.Tensor, first: bool, last: bool) -> None:
         buf = self.store.buffers[u]
         transfer = self.backend.d2h(p_grad, self.backend.record())
         self.ledger.sub(p_grad.nbytes)
+        self.d2h_copies += 1
+        self.d2h_bytes += p_grad.nbytes
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
@@ -417,23 +450,31 @@ class SwapEngine:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over batches, unit-major: each unit is loaded once for all of them."""
         N = len(self.units)
-        order = [(b, "f", u) for b in range(len(batches)) for u in range(N)]
+        key = ("eval", len(batches))
+        if key not in self._plans:
+            self._plans[key] = StepPlan.evaluation(N, len(batches), self.cfg.swap.prefetch + 1)
+        plan = self._plans[key]
         total = torch.zeros((), device=self.backend.device)
-        self._advance(order, -1, None)
-        h = y = None
-        for pos, (b, _, u) in enumerate(order):
-            if u == 0:
-                h, y = (t.to(self.backend.device) for t in batches[b])
-            if not self.slots.has(u):
-                self._load(u)
-            flat = self.slots.acquire(u)
-            if u < N - 1:
-                h = run_unit(self.units[u], flat, h)
-            else:
-                total += run_unit(self.units[u], flat, h, y).float()
-            self._advance(order, pos, u)
-        self.slots.release_all()
+        h: dict[int, torch.Tensor] = {}
+        self._advance(plan, -1, None)
+        try:
+            for pos, v in enumerate(plan.visits):
+                b, u = v.micro, v.unit
+                if u == 0:
+                    h[b] = batches[b][0].to(self.backend.device)
+                if not self.slots.has(u):
+                    self._load(u)
+                flat = self.slots.acquire(u)
+                if u < N - 1:
+                    h[b] = run_unit(self.units[u], flat, h[b])
+                else:
+                    y = batches[b][1].to(self.backend.device)
+                    total += run_unit(self.units[u], flat, h.pop(b), y).float()
+                self._advance(plan, pos, u)
+        finally:
+            self.slots.release_all()
         return float(total) / len(batches)
 
     # ------------------------------------------------------------------ state

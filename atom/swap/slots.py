@@ -37,6 +37,7 @@ class DeviceSlots:
         self._where: dict[int, Slot] = {}
         self.max_resident = 0
         self.loads = 0
+        self.bytes_loaded = 0  # host->device parameter bytes, counted per copy
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +66,7 @@ class DeviceSlots:
         )
         self._where[unit] = slot
         self.loads += 1
+        self.bytes_loaded += src.nbytes
         self.max_resident = max(self.max_resident, len(self._where))
         return slot
 

@@ -128,8 +128,28 @@ def partition(model: LanguageModel, layers_per_unit: int) -> list[UnitSpec]:
     return units
 
 
+def param_leaves(unit: UnitSpec, flat: torch.Tensor) -> list[torch.Tensor]:
+    """One autograd leaf per parameter, each a view of the slot (same order as unit.params).
+
+    Why not one flat leaf sliced into views: autograd would then build a zero-filled
+    unit-sized gradient per parameter and add them up (a dozen unit-sized memory passes
+    per block backward); per-parameter leaves get exactly their own gradient."""
+    return [
+        flat[p.offset : p.offset + p.numel].view(p.shape).detach().requires_grad_()
+        for p in unit.params
+    ]
+
+
 def run_unit(
-    unit: UnitSpec, flat: torch.Tensor, h: torch.Tensor, targets: torch.Tensor | None = None
+    unit: UnitSpec,
+    params: torch.Tensor | list[torch.Tensor],
+    h: torch.Tensor,
+    targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Forward one unit with its parameters taken from `flat` (a slot, or a leaf over one)."""
-    return functional_call(unit.module, unit.views(flat), (h, targets))
+    """Forward one unit with its parameters taken from a flat slot buffer, or from a list
+    of per-parameter tensors in unit.params order (param_leaves)."""
+    if isinstance(params, torch.Tensor):
+        named = unit.views(params)
+    else:
+        named = {p.local_name: t for p, t in zip(unit.params, params, strict=True)}
+    return functional_call(unit.module, named, (h, targets))

@@ -1,0 +1,551 @@
+"""One command that proves the CUDA path on this machine and writes what it measured.
+
+    python3 -m tools.gpu_check OUT_DIR                 # on a CUDA machine, < 9 minutes
+    python3 -m tools.gpu_check OUT_DIR --dry-run       # CPU: the same sections, tiny shapes
+
+Needs only torch and the project's pure-Python dependencies (no pyzmq, no DeepSpeed: those
+sections say they were skipped). Every section runs on its own (in a child process where a
+crash or hang could take the rest down), is bounded in time, and is written to
+OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md as soon as it ends, so a report survives a
+section that fails or a run that is cut short.
+
+Sections:
+  env          device, torch/CUDA versions, memory
+  bandwidth    pinned (and pageable) host<->device GB/s at 256 MiB
+  tests        the gpu-marked tests (swap == resident in fp32 on CUDA, bf16 tracks fp32)
+  equivalence  swapped vs resident on CUDA, fp32 and bf16, every schedule knob
+  fits         a model that fits the card: swapped vs resident step time, side by side
+  big          `atom profile` then training steps of a model that does not fit the
+               --gpu-mem cap: tokens/s, step / max(compute, bus floor), H2D achieved/peak,
+               device peak vs predicted, bytes moved per step
+  deepspeed    ZeRO-3 offload on the same model, cap and batch (only where DeepSpeed imports)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Report:
+    def __init__(self, out: Path, dry_run: bool):
+        self.out = out
+        self.data: dict = {
+            "dry_run": dry_run,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "sections": {},
+        }
+
+    def section(self, name: str, result: dict) -> None:
+        self.data["sections"][name] = result
+        self.write()
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.data, indent=2) + "\n")
+        lines = [f"# gpu_check ({'dry run, CPU' if self.data['dry_run'] else 'CUDA'})", ""]
+        for name, res in self.data["sections"].items():
+            status = res.get("status", "?")
+            lines.append(f"## {name}: {status} ({res.get('seconds', 0):.1f} s)")
+            for key, value in res.items():
+                if key in ("status", "seconds", "traceback", "log"):
+                    continue
+                text = value if isinstance(value, str) else json.dumps(value)
+                lines.append(f"- {key}: {text}")
+            if res.get("traceback"):
+                lines += ["", "```", res["traceback"][-3000:], "```"]
+            if res.get("log"):
+                lines += ["", "```", res["log"][-3000:], "```"]
+            lines.append("")
+        (self.out / "gpu_check.md").write_text("\n".join(lines))
+
+
+def run_section(report: Report, name: str, fn, *args) -> dict:
+    print(f"gpu_check: {name} ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        result = fn(*args) or {}
+        result.setdefault("status", "ok")
+    except SkipSection as skip:
+        result = {"status": "skipped", "why": str(skip)}
+    except Exception as err:  # a failing section is a finding, not the end of the check
+        result = {
+            "status": "FAILED",
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(),
+        }
+    result["seconds"] = time.perf_counter() - t0
+    print(f"gpu_check: {name}: {result['status']} ({result['seconds']:.1f} s)", flush=True)
+    if result["status"] == "FAILED":
+        print(result.get("traceback", "")[-2000:], flush=True)
+    report.section(name, result)
+    return result
+
+
+class SkipSection(Exception):
+    pass
+
+
+def _child(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Run a child python; its output (last part) and exit code. A hang is killed."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        return proc.returncode, (proc.stdout + proc.stderr)[-6000:]
+    except subprocess.TimeoutExpired as err:
+        out = (err.stdout or b"") + (err.stderr or b"")
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return 124, f"timed out after {timeout:.0f} s\n" + out[-6000:]
+
+
+# ----------------------------------------------------------------------------- sections
+def env_section(dry: bool) -> dict:
+    import torch
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        info.update(
+            device=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(total / 2**30, 1),
+            free_gib=round(free / 2**30, 1),
+            bf16=torch.cuda.is_bf16_supported(),
+        )
+    elif not dry:
+        raise RuntimeError("no CUDA device visible; use --dry-run on a CPU machine")
+    for mod in ("zmq", "deepspeed", "pytest"):
+        try:
+            __import__(mod)
+            info[mod] = "present"
+        except ImportError:
+            info[mod] = "absent"
+    return info
+
+
+def bandwidth_section(dry: bool) -> dict:
+    import torch
+
+    if dry:
+        raise SkipSection("no CUDA device (dry run)")
+    dev = torch.device("cuda", 0)
+    numel = 128 * 2**20  # 256 MiB of bf16
+    res = {}
+    for pinned in (True, False):
+        host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pinned)
+        back = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pinned)
+        d = torch.empty(numel, dtype=torch.bfloat16, device=dev)
+        for direction, fn in (
+            ("h2d", lambda d=d, host=host: d.copy_(host, non_blocking=True)),
+            ("d2h", lambda d=d, back=back: back.copy_(d, non_blocking=True)),
+        ):
+            fn()
+            torch.cuda.synchronize(dev)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+            res[f"{direction}_{'pinned' if pinned else 'pageable'}_gbps"] = round(
+                host.nbytes / min(times) / 1e9, 2
+            )
+    return res
+
+
+def tests_section(dry: bool) -> dict:
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        raise SkipSection("pytest is not installed") from None
+    if dry:
+        raise SkipSection("gpu-marked tests need CUDA (dry run)")
+    code, log = _child(
+        ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+        timeout=240,
+    )
+    return {"status": "ok" if code == 0 else "FAILED", "exit": code, "log": log}
+
+
+def _tiny(device: str, **sections):
+    from atom.config import Config
+
+    data = {
+        "model": {
+            "arch": "gpt",
+            "n_layer": 3,
+            "n_head": 4,
+            "d_model": 64,
+            "seq_len": 32,
+            "vocab_size": 256,
+        },
+        "train": {
+            "micro_batch": 4,
+            "grad_accum": 1,
+            "max_steps": 5,
+            "warmup_steps": 2,
+            "device": device,
+            "dtype": "fp32",
+        },
+        "swap": {"layers_per_unit": 1, "prefetch": 1},
+    }
+    for section, values in sections.items():
+        data[section].update(values)
+    return Config.from_dict(data)
+
+
+def _batches(cfg, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(cfg.train.grad_accum):
+        x = torch.randint(
+            0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.model.seq_len), generator=g
+        )
+        out.append((x, torch.roll(x, -1, 1)))
+    return out
+
+
+def equivalence_section(dry: bool) -> dict:
+    """Swapped == resident on this device for a grid of schedule knobs (fp32), and bf16
+    swapped training tracks fp32 resident."""
+    import torch
+
+    from atom.optim import lr_at
+    from atom.resident import ResidentEngine
+    from atom.train import build_engine, resolve_device
+
+    device = "cpu" if dry else "cuda"
+    if not dry:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    grid = [
+        dict(layers_per_unit=1, prefetch=1, checkpoint=True, grad_accum=1),
+        dict(layers_per_unit=2, prefetch=2, checkpoint=False, grad_accum=3),
+        dict(layers_per_unit=1, prefetch=0, checkpoint=True, grad_accum=2),
+        dict(layers_per_unit=1, prefetch=1, checkpoint=True, grad_accum=2, offload=True),
+        dict(layers_per_unit=3, prefetch=1, checkpoint=False, grad_accum=1, arch="llama"),
+    ]
+    rows, worst = [], 0.0
+    for knobs in grid:
+        swap = {k: knobs[k] for k in ("layers_per_unit", "prefetch", "checkpoint")}
+        swap["offload_activations"] = knobs.get("offload", False)
+        model = {"arch": knobs.get("arch", "gpt")}
+        for dtype in ("fp32",) if dry else ("fp32", "bf16"):
+            cfg = _tiny(
+                device,
+                swap=swap,
+                model=model,
+                train={"grad_accum": knobs["grad_accum"], "dtype": dtype},
+            )
+            ref_cfg = _tiny(
+                device, swap=swap, model=model, train={"grad_accum": knobs["grad_accum"]}
+            )
+            swapped = build_engine(cfg)
+            dev, _ = resolve_device(ref_cfg)
+            resident = ResidentEngine(ref_cfg, dev, torch.float32)
+            errs = []
+            try:
+                for step in range(4):
+                    lr = lr_at(step, cfg.train)
+                    a = swapped.train_step(_batches(cfg, step), lr).loss
+                    b = resident.train_step(_batches(cfg, step), lr).loss
+                    errs.append(abs(a - b) / abs(b))
+                mine = swapped.named_parameters()
+                p_err = max(
+                    float((mine[n] - p.float().cpu()).norm() / (p.float().norm() + 1e-12))
+                    for n, p in resident.named_parameters().items()
+                )
+                bound_ok = swapped.slots.max_resident <= swap["prefetch"] + 1
+            finally:
+                swapped.close()
+            tol = 1e-5 if dtype == "fp32" else 2e-2
+            ok = max(errs) <= tol and (dtype != "fp32" or p_err <= 1e-5) and bound_ok
+            if dtype == "fp32":
+                worst = max(worst, max(errs), p_err)
+            rows.append(
+                {
+                    **knobs,
+                    "dtype": dtype,
+                    "loss_rel_err": max(errs),
+                    "param_rel_err": p_err,
+                    "resident_bound": bound_ok,
+                    "ok": ok,
+                }
+            )
+    failed = [r for r in rows if not r["ok"]]
+    return {"status": "FAILED" if failed else "ok", "worst_fp32_rel_err": worst, "rows": rows}
+
+
+def _time_steps(engine, cfg, steps: int, warmup: int = 1) -> list[float]:
+    from atom.optim import lr_at
+
+    times = []
+    for step in range(warmup + steps):
+        batches = _batches(cfg, step)
+        t0 = time.perf_counter()
+        engine.train_step(batches, lr_at(step, cfg.train))
+        if step < warmup:
+            engine.wait_idle()
+        elif step == warmup + steps - 1:
+            engine.wait_idle()  # the last step pays for the optimizer work still queued
+        _sync(cfg)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _sync(cfg) -> None:
+    import torch
+
+    if cfg.train.device != "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fits_section(dry: bool) -> dict:
+    """A model that fits: swapped / resident median step time, interleaved, both with and
+    without recompute, grad_accum 1 and 8."""
+    import torch
+
+    from atom.config import Config
+    from atom.resident import ResidentEngine
+    from atom.train import build_engine, resolve_device
+
+    if dry:
+        model = {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 32, "vocab_size": 256}
+        shapes = [(2, 1)]
+    else:
+        model = {"n_layer": 12, "n_head": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 256}
+        shapes = [(8, 1), (2, 4)]
+    rows = []
+    for micro, accum in shapes:
+        for ckpt in (False, True):
+            data = {
+                "model": dict(model),
+                "train": {
+                    "micro_batch": micro,
+                    "grad_accum": accum,
+                    "device": "cpu" if dry else "cuda",
+                },
+                "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": ckpt},
+            }
+            cfg = Config.from_dict(data)
+            dev, dtype = resolve_device(cfg)
+            swapped = build_engine(cfg)
+            try:
+                s_times = _time_steps(swapped, cfg, 4)
+                loads = swapped.slots.loads
+            finally:
+                swapped.close()
+            resident = ResidentEngine(cfg, dev, dtype)
+            r_times = _time_steps(resident, cfg, 4)
+            del resident
+            if not dry:
+                torch.cuda.empty_cache()
+            s, r = statistics.median(s_times), statistics.median(r_times)
+            rows.append(
+                {
+                    "micro_batch": micro,
+                    "grad_accum": accum,
+                    "checkpoint": ckpt,
+                    "swapped_s": round(s, 4),
+                    "resident_s": round(r, 4),
+                    "ratio": round(s / r, 3),
+                    "loads_total": loads,
+                }
+            )
+    return {"rows": rows, "note": "resident baseline never recomputes"}
+
+
+def big_section(dry: bool, config: str, gpu_mem: str, batch: int, steps: int) -> dict:
+    """`atom profile` under the cap, then training steps of the chosen plan in a child
+    process that cannot use more than the cap."""
+    out = Path(os.environ["GPU_CHECK_OUT"])
+    plan = out / "plan.json"
+    if dry:
+        config, gpu_mem, batch = "tiny", "1GiB", 8
+    sets = ["--set", "model.vocab_size=256"]
+    code, log = _child(
+        [
+            "-m",
+            "atom.cli",
+            "profile",
+            "--config",
+            config,
+            "--gpu-mem",
+            gpu_mem,
+            "--batch",
+            str(batch),
+            "--out",
+            str(plan),
+            "--top",
+            "5",
+            *sets,
+        ],
+        timeout=200,
+    )
+    result: dict = {"profile_exit": code, "profile_log": log[-2500:]}
+    if code != 0:
+        result["status"] = "FAILED"
+        return result
+    code, log = _child(
+        [
+            "-m",
+            "tools.gpu_check",
+            "--train-child",
+            str(plan),
+            config,
+            gpu_mem,
+            str(steps),
+            "--dry-run" if dry else "--no-dry-run",
+            *sets,
+        ],
+        timeout=330,
+    )
+    result["train_exit"] = code
+    result["log"] = log
+    child = out / "big_train.json"
+    if child.exists():
+        result.update(json.loads(child.read_text()))
+    if code != 0:
+        result["status"] = "FAILED"
+    return result
+
+
+def train_child(
+    plan_path: str, config: str, gpu_mem: str, steps: int, dry: bool, sets: list[str]
+) -> None:
+    """Train the plan's steps under the memory cap; write big_train.json."""
+    import torch
+
+    from atom.config import load_config
+    from atom.sizes import parse_bytes
+    from atom.train import build_engine
+    from profiler.planner import Plan
+
+    out = Path(os.environ["GPU_CHECK_OUT"])
+    cfg = load_config(config, [s for s in sets if s != "--set"])
+    plan = Plan.load(Path(plan_path))
+    cfg = plan.apply(cfg)
+    if dry:
+        cfg.train.device = "cpu"
+    cap = parse_bytes(gpu_mem)
+    if not dry:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
+    t0 = time.perf_counter()
+    engine = build_engine(cfg)
+    build_s = time.perf_counter() - t0
+    if not dry:
+        torch.cuda.reset_peak_memory_stats()
+    res = {
+        "plan": {"swap": plan.swap, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum},
+        "predicted": plan.prediction,
+        "build_s": round(build_s, 1),
+    }
+    try:
+        loads0 = engine.slots.bytes_loaded
+        times = _time_steps(engine, cfg, steps)
+        step_s = statistics.median(times)
+        moved = (engine.slots.bytes_loaded - loads0) / (len(times) + 1)
+        tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
+        hw = plan.hardware
+        bus_floor = moved / hw["h2d_bps"] if hw.get("h2d_bps") else None
+        compute = plan.prediction["detail"]["compute_s"]
+        peak = engine.device_peak_bytes()
+        res.update(
+            step_times_s=[round(t, 3) for t in times],
+            step_s=round(step_s, 3),
+            tokens_per_s=round(tokens / step_s, 1),
+            h2d_bytes_per_step=moved,
+            bus_floor_s=bus_floor,
+            compute_s_predicted=compute,
+            step_over_floor=round(step_s / max(compute, bus_floor or 0.0), 3),
+            h2d_achieved_gbps=round(moved / step_s / 1e9, 2),
+            device_peak_bytes=peak,
+            peak_over_predicted=round(peak / plan.prediction["peak_device_bytes"], 3),
+            step_over_predicted=round(step_s / plan.prediction["step_s"], 3),
+        )
+    finally:
+        (out / "big_train.json").write_text(json.dumps(res, indent=2))
+        engine.close()
+
+
+def deepspeed_section(dry: bool) -> dict:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise SkipSection("DeepSpeed does not import here; baseline not measured") from None
+    raise SkipSection("DeepSpeed baseline: run tools/deepspeed_baseline.py on this machine")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--train-child":
+        plan, config, gpu_mem, steps, dry = argv[1:6]
+        train_child(plan, config, gpu_mem, int(steps), dry == "--dry-run", argv[6:])
+        return 0
+    p = argparse.ArgumentParser(
+        prog="python -m tools.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("out", help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (CI)")
+    p.add_argument("--config", default="gpt3-2.7b", help="the model that must not fit")
+    p.add_argument("--gpu-mem", default="24GiB", help="device cap to emulate (default 24GiB)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step for `big`")
+    p.add_argument("--steps", type=int, default=3, help="timed training steps for `big`")
+    p.add_argument("--only", nargs="*", help="run only these sections")
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    os.environ["GPU_CHECK_OUT"] = str(out)
+    os.environ.setdefault("ATOM_CACHE", str(out / "cache"))
+    report = Report(out, args.dry_run)
+    sections = [
+        ("env", env_section, args.dry_run),
+        ("bandwidth", bandwidth_section, args.dry_run),
+        ("tests", tests_section, args.dry_run),
+        ("equivalence", equivalence_section, args.dry_run),
+        ("fits", fits_section, args.dry_run),
+        ("big", big_section, args.dry_run, args.config, args.gpu_mem, args.batch, args.steps),
+        ("deepspeed", deepspeed_section, args.dry_run),
+    ]
+    failed = []
+    for name, fn, *fargs in sections:
+        if args.only and name not in args.only:
+            continue
+        if run_section(report, name, fn, *fargs)["status"] == "FAILED":
+            failed.append(name)
+    report.data["failed"] = failed
+    report.write()
+    print(f"gpu_check: report in {out}/gpu_check.md; failed: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
