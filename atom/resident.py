@@ -13,14 +13,23 @@ from contextlib import nullcontext
 import torch
 
 from atom.config import Config
-from atom.model import build_model, materialize
+from atom.model import build_model, lm_loss, materialize
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
 from atom.swap.engine import StepResult
 
 
 class ResidentEngine:
-    def __init__(self, cfg: Config, device: torch.device, compute_dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: Config,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        recompute: bool = False,
+    ):
         self.cfg = cfg
+        # recompute: activation checkpointing per block (torch.utils.checkpoint), the fair
+        # baseline for a swapped run that recomputes (swap.checkpoint: true)
+        self.recompute = recompute
         self.device = device
         self.dtype = compute_dtype
         self.model = materialize(build_model(cfg.model), cfg.train.seed, device=device)
@@ -59,7 +68,7 @@ class ResidentEngine:
             x, y = x.to(self.device), y.to(self.device)
             counter = [0]
             with self._autocast(), self._counting_hooks(counter):
-                _, loss = self.model(x, y)
+                loss = self._loss(x, y)
             self._activation_peak = max(self._activation_peak, counter[0])
             scaled = loss / len(batches)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -77,6 +86,16 @@ class ResidentEngine:
         else:
             self.opt.step()
         return StepResult(loss=float(total) / len(batches), grad_norm=norm)
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.recompute:
+            return self.model(x, y)[1]
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.model.embed(x)
+        for block in self.model.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return lm_loss(self.model.head(h), y)
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class Transfer:
     cuda_event: object | None = None  # torch.cuda.Event once issued (CUDA backend)
     error: BaseException | None = None
     result: torch.Tensor | None = None  # for D2H: the host tensor holding the data
+    ready_wait_s: float = 0.0  # H2D: how long the copy waited for the host optimizer
 
 
 def done_transfer(result: torch.Tensor | None = None) -> Transfer:
@@ -115,9 +117,10 @@ class Backend:
         averaging) never lands half-way through a copy."""
         raise NotImplementedError
 
-    def d2h(self, src: torch.Tensor, after: object | None) -> Transfer:
-        """Copy device `src` to host; `Transfer.result` is the host tensor. The caller
-        hands it back with `release_host` once consumed."""
+    def d2h(self, src: torch.Tensor | list[torch.Tensor], after: object | None) -> Transfer:
+        """Copy device `src` (one flat tensor, or a list of tensors laid out back to back)
+        to host; `Transfer.result` is the host data: a tensor, or on the CPU backend the
+        list itself. The caller hands it back with `release_host` once consumed."""
         raise NotImplementedError
 
     def release_host(self, t: Transfer) -> None:
@@ -167,16 +170,17 @@ class CpuBackend(Backend):
         return None
 
     def h2d(self, dst, src, after, host_ready, locks=()) -> Transfer:
+        t = Transfer()
+
         def job() -> None:
-            for ev in host_ready:
-                _wait_event(ev)
+            t.ready_wait_s = _wait_events(host_ready)
             with _held(locks):
                 dst.copy_(src)
 
-        return self._copier.submit(job, Transfer())
+        return self._copier.submit(job, t)
 
     def d2h(self, src, after) -> Transfer:
-        # The gradient already lives in host memory: hand the tensor over, no copy.
+        # The gradient already lives in host memory: hand the tensor(s) over, no copy.
         return done_transfer(src)
 
     def wait_compute(self, t: Transfer) -> None:
@@ -196,6 +200,16 @@ def _held(locks):
         for lock in locks:
             stack.enter_context(lock)
         yield
+
+
+def _wait_events(events) -> float:
+    """Wait for every event (the host optimizer releasing a unit); seconds waited."""
+    if all(ev.is_set() for ev in events):
+        return 0.0
+    t0 = time.perf_counter()
+    for ev in events:
+        _wait_event(ev)
+    return time.perf_counter() - t0
 
 
 def _wait_event(ev: threading.Event) -> None:
@@ -218,7 +232,7 @@ class CudaBackend(Backend):
         self,
         device: torch.device,
         staging_numel: int,
-        staging_dtype: torch.dtype,
+        staging_dtype: torch.dtype = torch.float32,
         staging_buffers: int = 3,
     ):
         self.device = device
@@ -231,7 +245,10 @@ class CudaBackend(Backend):
         # and grow pinned memory without limit.
         self._staging: queue.Queue = queue.Queue()
         for _ in range(staging_buffers):
-            self._staging.put(torch.empty(staging_numel, dtype=staging_dtype, pin_memory=True))
+            # raw bytes: gradients come back in the compute dtype, or fp32 when several
+            # micro-batches were summed on the device
+            nbytes = staging_numel * max(4, torch.empty(0, dtype=staging_dtype).element_size())
+            self._staging.put(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
 
     def alloc_device(self, numel, dtype):
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -248,8 +265,7 @@ class CudaBackend(Backend):
         t = Transfer()
 
         def job() -> None:
-            for ev in host_ready:
-                _wait_event(ev)
+            t.ready_wait_s = _wait_events(host_ready)
             with _held(locks), torch.cuda.stream(self.h2d_stream):
                 if after is not None:
                     self.h2d_stream.wait_event(after)  # slot's previous reader finished
@@ -263,16 +279,23 @@ class CudaBackend(Backend):
         return self._copier.submit(job, t)
 
     def d2h(self, src, after) -> Transfer:
+        srcs = [src] if isinstance(src, torch.Tensor) else list(src)
+        numel = sum(t.numel() for t in srcs)
+        dtype = srcs[0].dtype
         buf = self._staging.get(timeout=600)
-        host = buf[: src.numel()]
+        host = buf[: numel * srcs[0].element_size()].view(dtype)
         with torch.cuda.stream(self.d2h_stream):
             if after is not None:
                 self.d2h_stream.wait_event(after)
-            host.copy_(src.view(-1), non_blocking=True)
+            offset = 0
+            for t in srcs:
+                host[offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+                offset += t.numel()
             ev = torch.cuda.Event()
             ev.record(self.d2h_stream)
-        # src was made on the compute stream; keep the allocator from reusing it early.
-        src.record_stream(self.d2h_stream)
+        # srcs were made on the compute stream; keep the allocator from reusing them early.
+        for t in srcs:
+            t.record_stream(self.d2h_stream)
         t = Transfer(cuda_event=ev, result=host)
         t._buf = buf  # type: ignore[attr-defined]
         t.issued.set()

@@ -22,6 +22,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -182,8 +183,14 @@ class SwapEngine:
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
         self._plans: dict[tuple, StepPlan] = {}
+        # per-parameter views of each unit's host gradient, in unit.params order
+        self._grad_views = [
+            [b.grad[p.offset : p.offset + p.numel].view(p.shape) for p in b.spec.params]
+            for b in self.store.buffers
+        ]
         self.d2h_copies = 0  # gradient copies device -> host, and their bytes (benchmarks)
         self.d2h_bytes = 0
+        self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
     # ------------------------------------------------------------------ setup helpers
     def _make_optimizer(self, master, grad, spec: UnitSpec) -> torch.optim.Optimizer:
@@ -367,13 +374,16 @@ class SwapEngine:
     # ------------------------------------------------------------------ gradients
     def _accumulate(self, u: int, grads: list[torch.Tensor], run: GradRun, st) -> None:
         """Add one visit's parameter gradients into the unit's flat device accumulator;
-        at the end of a run of visits, send it to the host (one copy per run)."""
+        at the end of a run of visits, send it to the host (one copy per run). A run of one
+        visit sends the gradients as they are (no accumulator, no extra device copy)."""
+        if run.length == 1:
+            self.ledger.add(sum(g.nbytes for g in grads))
+            self._post_grads(u, grads, first=run.first_run, last=run.last_run)
+            return
         unit = self.units[u]
         if run.first_visit:
-            # fp32 when several micro-batches add up on the device; a single visit keeps
-            # the compute dtype (half the bytes on the bus, summed in fp32 on the host)
-            dtype = self.dtype if run.length == 1 else torch.float32
-            acc = torch.empty(unit.n_total, dtype=dtype, device=self.backend.device)
+            # fp32: several micro-batches add up here (the compute dtype would lose bits)
+            acc = torch.empty(unit.n_total, dtype=torch.float32, device=self.backend.device)
             self.ledger.add(acc.nbytes)
             st.acc[u] = (acc, [acc[p.offset : p.offset + p.numel].view(p.shape)
                                for p in unit.params])  # fmt: skip
@@ -385,12 +395,19 @@ class SwapEngine:
             self._post_grads(u, acc, first=run.first_run, last=run.last_run)
 
     # ------------------------------------------------------------------ host side
-    def _post_grads(self, u: int, p_grad: torch.Tensor, first: bool, last: bool) -> None:
+    def _post_grads(
+        self, u: int, p_grad: torch.Tensor | list[torch.Tensor], first: bool, last: bool
+    ) -> None:
+        """Send a unit's gradient (flat, or per parameter in unit order) to the host worker,
+        which copies or adds it into the unit's fp32 host gradient."""
         buf = self.store.buffers[u]
         transfer = self.backend.d2h(p_grad, self.backend.record())
-        self.ledger.sub(p_grad.nbytes)
+        nbytes = (
+            p_grad.nbytes if isinstance(p_grad, torch.Tensor) else sum(g.nbytes for g in p_grad)
+        )
+        self.ledger.sub(nbytes)
         self.d2h_copies += 1
-        self.d2h_bytes += p_grad.nbytes
+        self.d2h_bytes += nbytes
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
@@ -398,10 +415,14 @@ class SwapEngine:
 
         def land() -> None:
             host = self.backend.wait_host(transfer)
-            if first:
-                buf.grad.copy_(host)
+            if isinstance(host, torch.Tensor):
+                dst, src = [buf.grad], [host]
             else:
-                buf.grad.add_(host)
+                dst, src = self._grad_views[u], host
+            if first:
+                torch._foreach_copy_(dst, src)
+            else:
+                torch._foreach_add_(dst, src)
             self.backend.release_host(transfer)
             if not last:
                 return
@@ -432,7 +453,9 @@ class SwapEngine:
         loss = float(loss_sum) / n_micro
         if not self.deferred:
             return StepResult(loss=loss, grad_norm=None)
+        t0 = time.perf_counter()
         self.worker.drain()
+        self.norm_wait_s += time.perf_counter() - t0
         total = math.sqrt(sum(self._norm_sq))
         overflow = not math.isfinite(total)
         if self.scaler is not None:

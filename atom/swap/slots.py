@@ -8,6 +8,7 @@ check the bound held rather than trust it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ class DeviceSlots:
         self.max_resident = 0
         self.loads = 0
         self.bytes_loaded = 0  # host->device parameter bytes, counted per copy
+        # Seconds compute waited for a unit's copy, and of that, while the copy itself was
+        # still waiting for the host optimizer to release the unit (optimizer exposed).
+        self.load_wait_s = 0.0
+        self.optimizer_wait_s = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +79,11 @@ class DeviceSlots:
         """Make compute wait for the unit's copy; return the slot's flat buffer."""
         slot = self._where[unit]
         if slot.state == LOADING:
+            t0 = time.perf_counter()
             self.backend.wait_compute(slot.transfer)
+            waited = time.perf_counter() - t0
+            self.load_wait_s += waited
+            self.optimizer_wait_s += min(waited, slot.transfer.ready_wait_s)
             slot.state, slot.transfer = RESIDENT, None
         assert slot.state == RESIDENT
         return slot.flat

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from atom.model import LanguageModel, lm_loss
 
 
 @dataclass(frozen=True)
 class ParamEntry:
-    local_name: str  # name inside the unit module, for functional_call
+    local_name: str  # name inside the unit module
     full_name: str  # name in the whole model: checkpoints and init use this
     shape: tuple[int, ...]
     offset: int  # into the unit's flat buffer
@@ -41,6 +40,8 @@ class UnitSpec:
     n_owned: int = 0  # elements of owned params: the master/optimizer region
     n_decay: int = 0  # first n_decay elements are weight-decayed
     n_total: int = 0  # owned + aliases: what goes to the device
+    # (submodule, attribute) per entry of params: where run_unit binds each tensor
+    bindings: list[tuple[nn.Module, str]] = field(default_factory=list)
 
     @property
     def owned(self) -> list[ParamEntry]:
@@ -124,6 +125,9 @@ def partition(model: LanguageModel, layers_per_unit: int) -> list[UnitSpec]:
             )
             offset += param.numel()
         unit.n_total = offset
+        for entry in unit.params:
+            owner, _, attr = entry.local_name.rpartition(".")
+            unit.bindings.append((unit.module.get_submodule(owner), attr))
         units.append(unit)
     return units
 
@@ -147,9 +151,13 @@ def run_unit(
     targets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Forward one unit with its parameters taken from a flat slot buffer, or from a list
-    of per-parameter tensors in unit.params order (param_leaves)."""
+    of per-parameter tensors in unit.params order (param_leaves).
+
+    The unit's template module (meta-built, used only by the training thread) gets each
+    tensor bound in place of its parameter: what torch.func.functional_call does, without
+    walking the module tree on every visit (measured ~0.1 ms a visit)."""
     if isinstance(params, torch.Tensor):
-        named = unit.views(params)
-    else:
-        named = {p.local_name: t for p, t in zip(unit.params, params, strict=True)}
-    return functional_call(unit.module, named, (h, targets))
+        params = [params[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
+    for (module, attr), tensor in zip(unit.bindings, params, strict=True):
+        module._parameters[attr] = tensor
+    return unit.module(h, targets)
