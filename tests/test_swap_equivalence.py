@@ -315,3 +315,72 @@ def test_a_step_that_raises_leaves_the_engine_usable(clip):
     finally:
         failing.close()
         clean.close()
+
+
+def _train(cfg, steps: int = STEPS):
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        losses = [
+            engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss for s in range(steps)
+        ]
+        return losses, engine.named_parameters(), engine
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("order,accum", [("unit", 1), ("unit", 3), ("micro", 2)])
+def test_eager_update_equals_exact_when_no_step_is_clipped(order, accum):
+    """swap.update=eager's contract: each unit updates as soon as its gradients land,
+    clipped by the previous step's norm, so with a clip no step reaches it equals exact."""
+    swap = {"order": order, "prefetch": 1}
+    train = {"grad_accum": accum, "grad_clip": 1e6}
+    exact_losses, exact, _ = _train(tiny_config(train=train, swap=swap))
+    eager_losses, eager, engine = _train(tiny_config(train=train, swap={**swap, "update": "eager"}))
+    assert engine.eager and not engine.deferred
+    assert eager_losses == pytest.approx(exact_losses, rel=1e-6)
+    assert max(rel_err(eager[n], exact[n]) for n in exact) <= 1e-6
+
+
+def test_eager_update_clips_by_the_previous_steps_norm():
+    """With clipping active the eager run uses step s-1's norm for step s: it differs from
+    exact training, trains, and reports the previous step's norm."""
+    cfg = tiny_config(train={"grad_clip": 0.05}, swap={"update": "eager"})
+    exact_cfg = tiny_config(train={"grad_clip": 0.05})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    exact = SwapEngine(exact_cfg, CpuBackend(), torch.float32)
+    try:
+        results = [engine.train_step(batches_for(s, cfg), 1e-3) for s in range(STEPS)]
+        norms = [exact.train_step(batches_for(s, cfg), 1e-3).grad_norm for s in range(STEPS)]
+        assert results[0].grad_norm is None  # no step had finished yet
+        assert results[1].grad_norm == pytest.approx(norms[0], rel=1e-5)  # same first step
+        assert results[-1].loss < results[0].loss
+        got, want = engine.named_parameters(), exact.named_parameters()
+        assert max(rel_err(got[n], want[n]) for n in want) > 1e-4  # clipped differently
+    finally:
+        engine.close()
+        exact.close()
+
+
+def test_eager_update_never_applies_a_non_finite_gradient():
+    cfg = tiny_config(swap={"update": "eager"})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        before = {k: v.clone() for k, v in engine.named_parameters().items()}
+        head = engine.units[-1]
+        original = engine._head_step
+
+        def poisoned(*args):
+            loss, grad_h, grads = original(*args)
+            grads[0] = torch.full_like(grads[0], float("nan"))
+            return loss, grad_h, grads
+
+        engine._head_step = poisoned
+        engine.train_step(batches_for(1, cfg), 1e-3)
+        after = engine.named_parameters()
+        assert engine.skipped_units >= 1
+        assert all(torch.isfinite(v).all() for v in after.values())
+        owned = {p.full_name for p in head.owned}
+        assert all(torch.equal(before[n], after[n]) for n in owned)
+    finally:
+        engine.close()

@@ -344,41 +344,34 @@ def fits_section(dry: bool) -> dict:
     rows = []
     for micro, accum in shapes:
         for ckpt in (False, True):
-            data = {
-                "model": dict(model),
-                "train": {
-                    "micro_batch": micro,
-                    "grad_accum": accum,
-                    "device": "cpu" if dry else "cuda",
-                },
-                "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": ckpt},
-            }
-            cfg = Config.from_dict(data)
+            train = {"micro_batch": micro, "grad_accum": accum, "device": "cpu" if dry else "cuda"}
+            swap = {"layers_per_unit": 1, "prefetch": 1, "checkpoint": ckpt}
+            cfg = Config.from_dict({"model": dict(model), "train": train, "swap": swap})
             dev, dtype = resolve_device(cfg)
-            swapped = build_engine(cfg)
-            try:
-                s_times = _time_steps(swapped, cfg, 4)
-                loads = swapped.slots.loads
-            finally:
-                swapped.close()
-            resident = ResidentEngine(cfg, dev, dtype)
-            r_times = _time_steps(resident, cfg, 4)
+            resident = ResidentEngine(cfg, dev, dtype, recompute=ckpt)
+            r = statistics.median(_time_steps(resident, cfg, 4))
             del resident
             if not dry:
                 torch.cuda.empty_cache()
-            s, r = statistics.median(s_times), statistics.median(r_times)
-            rows.append(
-                {
-                    "micro_batch": micro,
-                    "grad_accum": accum,
-                    "checkpoint": ckpt,
-                    "swapped_s": round(s, 4),
-                    "resident_s": round(r, 4),
-                    "ratio": round(s / r, 3),
-                    "loads_total": loads,
-                }
-            )
-    return {"rows": rows, "note": "resident baseline never recomputes"}
+            swapped = build_engine(cfg)
+            try:
+                for update in ("exact", "eager"):
+                    swapped.set_schedule(update=update)
+                    s = statistics.median(_time_steps(swapped, cfg, 4))
+                    rows.append(
+                        {
+                            "micro_batch": micro,
+                            "grad_accum": accum,
+                            "recompute": ckpt,
+                            "update": update,
+                            "swapped_s": round(s, 4),
+                            "resident_s": round(r, 4),
+                            "ratio": round(s / r, 3),
+                        }
+                    )
+            finally:
+                swapped.close()
+    return {"rows": rows, "note": "the resident baseline recomputes when the swapped run does"}
 
 
 def big_section(dry: bool, config: str, gpu_mem: str, batch: int, steps: int) -> dict:
@@ -478,6 +471,7 @@ def train_child(
         compute = plan.prediction["detail"]["compute_s"]
         peak = engine.device_peak_bytes()
         res.update(
+            schedule=f"{cfg.swap.order}-major, {cfg.swap.update} updates",
             step_times_s=[round(t, 3) for t in times],
             step_s=round(step_s, 3),
             tokens_per_s=round(tokens / step_s, 1),
@@ -490,9 +484,48 @@ def train_child(
             peak_over_predicted=round(peak / plan.prediction["peak_device_bytes"], 3),
             step_over_predicted=round(step_s / plan.prediction["step_s"], 3),
         )
+        res["variants"] = _schedule_variants(engine, cfg, steps, dry)
     finally:
         (out / "big_train.json").write_text(json.dumps(res, indent=2))
         engine.close()
+
+
+def _schedule_variants(engine, cfg, steps: int, dry: bool) -> list[dict]:
+    """The same engine at a larger batch (grad_accum making it up), with each schedule:
+    unit- or micro-batch-major order, exact or eager updates."""
+    import torch
+
+    target = 16 if dry else 32
+    accum = max(1, target // cfg.train.micro_batch)
+    cfg.train.grad_accum = accum
+    tokens = cfg.train.micro_batch * accum * cfg.model.seq_len
+    rows = []
+    for order, update in (("unit", "exact"), ("unit", "eager"), ("micro", "exact")):
+        engine.set_schedule(order=order, update=update)
+        if not dry:
+            torch.cuda.reset_peak_memory_stats()
+        h2d0, d2h0 = engine.slots.bytes_loaded, engine.d2h_bytes
+        try:
+            times = _time_steps(engine, cfg, max(2, steps - 1))
+        except torch.OutOfMemoryError as err:
+            rows.append({"order": order, "update": update, "error": f"OOM: {err}"[:200]})
+            continue
+        n = len(times) + 1
+        step_s = statistics.median(times)
+        rows.append(
+            {
+                "order": order,
+                "update": update,
+                "micro_batch": cfg.train.micro_batch,
+                "grad_accum": accum,
+                "step_s": round(step_s, 3),
+                "tokens_per_s": round(tokens / step_s, 1),
+                "h2d_gb_per_step": round((engine.slots.bytes_loaded - h2d0) / n / 1e9, 2),
+                "d2h_gb_per_step": round((engine.d2h_bytes - d2h0) / n / 1e9, 2),
+                "device_peak_gib": round(engine.device_peak_bytes() / 2**30, 2),
+            }
+        )
+    return rows
 
 
 def deepspeed_section(dry: bool) -> dict:

@@ -235,6 +235,8 @@ class CudaBackend(Backend):
         staging_dtype: torch.dtype = torch.float32,
         staging_buffers: int = 3,
     ):
+        if device.index is None:  # set_device and per-device stats need an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         torch.cuda.set_device(device)
         self.compute = torch.cuda.current_stream(device)

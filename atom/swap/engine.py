@@ -176,9 +176,10 @@ class SwapEngine:
             self._make_optimizer(b.master, b.grad, b.spec) for b in self.store.buffers
         ]
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
-        # Without clipping or overflow checks no update needs the global norm, so each unit
-        # updates as soon as its grads are final, overlapping the rest of the backward.
-        self.deferred = cfg.train.grad_clip > 0 or self.scaler is not None
+        self._set_update_mode(cfg.swap.update)
+        self._eager_coef = 1.0  # eager: the clip coefficient from the previous step's norm
+        self._eager_norm: float | None = None  # eager: the last finished step's norm
+        self.skipped_units = 0  # eager: unit updates skipped for non-finite gradients
         self.worker = HostWorker(on_error=self._unblock_all)
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
@@ -193,6 +194,30 @@ class SwapEngine:
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
     # ------------------------------------------------------------------ setup helpers
+    def _set_update_mode(self, update: str) -> None:
+        # Without clipping or overflow checks no update needs the global norm, so each unit
+        # updates as soon as its grads are final, overlapping the rest of the backward.
+        self.deferred = self.cfg.train.grad_clip > 0 or self.scaler is not None
+        self.eager = update == "eager" and self.deferred
+        if self.eager and self.scaler is not None:
+            # fp16 must skip a whole step on overflow, which an update already made cannot
+            log.warning("swap.update=eager is not available with fp16 loss scaling: exact")
+            self.eager = False
+        if self.eager:
+            self.deferred = False
+
+    def set_schedule(self, order: str | None = None, update: str | None = None) -> None:
+        """Change swap.order / swap.update between steps (benchmarks compare them on one
+        engine: building a multi-billion-parameter engine takes most of a minute)."""
+        self.wait_idle()
+        if order is not None:
+            self.cfg.swap.order = order
+            self._plans.clear()
+        if update is not None:
+            self.cfg.swap.update = update
+            self._set_update_mode(update)
+            self._norm_sq = [0.0] * len(self.units)
+
     def _make_optimizer(self, master, grad, spec: UnitSpec) -> torch.optim.Optimizer:
         decay, no_decay = master[: spec.n_decay], master[spec.n_decay : spec.n_owned]
         decay.grad, no_decay.grad = grad[: spec.n_decay], grad[spec.n_decay : spec.n_owned]
@@ -270,7 +295,8 @@ class SwapEngine:
         N = len(self.units)
         plan = self._plan(n_micro)
         scale = (self.scaler.scale if self.scaler else 1.0) / n_micro
-        self._norm_sq = [0.0] * N
+        if not self.eager:  # eager: the worker resets it when it closes a step
+            self._norm_sq = [0.0] * N
         st = _StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
         try:
@@ -433,6 +459,15 @@ class SwapEngine:
             if self.deferred:
                 owned = buf.grad[: buf.spec.n_owned]
                 self._norm_sq[u] = float(torch.dot(owned, owned))
+            elif self.eager:
+                owned = buf.grad[: buf.spec.n_owned]
+                self._norm_sq[u] = float(torch.dot(owned, owned))
+                if math.isfinite(self._norm_sq[u]):
+                    self._update(u, self._eager_coef, lr)
+                else:  # never apply a non-finite gradient; the rest of the step goes on
+                    self.skipped_units += 1
+                    log.warning("non-finite gradient in unit %d: its update is skipped", u)
+                    buf.ready.set()
             else:
                 self._update(u, 1.0, lr)
 
@@ -451,6 +486,11 @@ class SwapEngine:
 
     def _finish_step(self, loss_sum: torch.Tensor, n_micro: int) -> StepResult:
         loss = float(loss_sum) / n_micro
+        if self.eager:
+            # Runs on the worker after this step's gradients have all landed and before any
+            # of the next step's (FIFO): the next step's updates clip by this step's norm.
+            self.worker.submit(self._close_eager_step)
+            return StepResult(loss=loss, grad_norm=self._eager_norm)
         if not self.deferred:
             return StepResult(loss=loss, grad_norm=None)
         t0 = time.perf_counter()
@@ -469,6 +509,14 @@ class SwapEngine:
         for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
             self.worker.submit(lambda u=u, lr=self._lr: self._update(u, coef, lr))
         return StepResult(loss=loss, grad_norm=total)
+
+    def _close_eager_step(self) -> None:
+        total = math.sqrt(sum(self._norm_sq))
+        self._norm_sq = [0.0] * len(self.units)
+        self._eager_norm = total
+        clip = self.cfg.train.grad_clip
+        if math.isfinite(total):
+            self._eager_coef = min(1.0, clip / (total + 1e-6))
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
