@@ -241,7 +241,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         if args.plan == "config":
             s = cfg.swap
             plan = Candidate(s.layers_per_unit, s.prefetch, cfg.train.micro_batch,
-                             cfg.train.grad_accum, s.checkpoint, s.offload_activations)  # fmt: skip
+                             cfg.train.grad_accum, s.checkpoint, s.offload_activations,
+                             s.order)  # fmt: skip
         sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= batch}
                        | {batch, w.pipeline_micro})  # fmt: skip
         n_params = ModelAnalysis.of(cfg).n_params

@@ -33,6 +33,7 @@ class Candidate:
     grad_accum: int
     checkpoint: bool
     offload_activations: bool
+    order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
 
 
 @dataclass
@@ -59,13 +60,19 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
     largest_block_unit = max(u.n_total for u in a.units if u.kind == "blocks") * dt
     head_unit = a.units[-1].n_total * dt
     tokens = c.micro_batch * a.cfg.model.seq_len
+    # unit-major with several micro-batches: every micro-batch's boundary state is kept at
+    # once, the other micro-batches' hidden (or its gradient) waits at the frontier, and
+    # a unit's gradient is summed over micro-batches in an fp32 accumulator
+    m = c.grad_accum if c.order == "unit" else 1
+    frontier = (m - 1) * hidden
+    accumulator = a.largest_unit * 4 if m > 1 else 0
     if c.checkpoint:
-        kept = 0 if c.offload_activations else (n_units - 2) * hidden
+        kept = 0 if c.offload_activations else (n_units - 2) * hidden * m
         # recompute of a unit: all its blocks' saved tensors, and the inputs of all but the
         # first (that one is the checkpoint, already counted, unless it was offloaded)
         inner_inputs = lpu if c.offload_activations else lpu - 1
         working = max(head + head_unit, lpu * block + inner_inputs * hidden + largest_block_unit)
-        peak = slots + kept + working
+        peak = slots + kept + working + frontier + accumulator
     else:
         n_layer = a.cfg.model.n_layer
         embed_saved = tokens * 8 + a.cfg.model.seq_len * 8  # token ids, positions (int64)
@@ -73,9 +80,10 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
         # (its activations + gradient) or at the first block unit's gradient
         peak = (
             slots
-            + embed_saved
-            + n_layer * (block + hidden)
+            + m * (embed_saved + n_layer * (block + hidden))
             + max(head + head_unit, largest_block_unit)
+            + frontier
+            + accumulator
         )
     if cuda:
         peak += a.head_workspace_bytes(c.micro_batch, dtype) + 2 * hidden
@@ -88,7 +96,8 @@ def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -
     if cuda:
         total += 3 * a.largest_unit * dtype_bytes(dtype)  # pinned D2H staging buffers
     if c.offload_activations:
-        total += (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype)
+        m = c.grad_accum if c.order == "unit" else 1
+        total += (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * m
     return total
 
 
@@ -112,53 +121,75 @@ def _pipeline(compute: list[float], transfer: list[float], prefetch: int) -> tup
 
 
 def predict(
-    a: ModelAnalysis, c: Candidate, hw: HardwareSpec, times: PieceTimes, dtype: torch.dtype
+    a: ModelAnalysis,
+    c: Candidate,
+    hw: HardwareSpec,
+    times: PieceTimes,
+    dtype: torch.dtype,
+    eager: bool = False,
 ) -> Prediction:
+    """Step time of one plan. Unit-major (`c.order == "unit"`) runs the unit pipeline once
+    per step with every stage's compute multiplied by grad_accum (each unit crosses the bus
+    once per pass); micro-batch-major runs it grad_accum times. `eager`: swap.update=eager,
+    units update while the backward of earlier units still runs."""
     cuda = hw.device == "cuda"
     dt = dtype_bytes(dtype)
     units = a.units
+    m_total = c.grad_accum
+    unit_major = c.order == "unit" or m_total == 1
+    per_pass = m_total if unit_major else 1  # micro-batches per unit visit run
+    passes = 1 if unit_major else m_total  # times the unit pipeline runs per step
     body = units[:-1]  # embed + block units; the head runs forward and backward at once
     h2d = [u.n_total * dt / hw.h2d_bps for u in units]
     fwd_c = [times.embed / 3 if u.kind == "embed" else u.n_blocks * times.block_fwd for u in body]
-    fwd_c_all = fwd_c + [times.head]
+    fwd_c_all = [t * per_pass for t in fwd_c + [times.head]]
     fwd, fwd_bus = _pipeline(fwd_c_all, [h2d[u.index] for u in units], c.prefetch)
     # backward over body units in reverse; the last `prefetch` of the forward stay resident
     recompute = times.block_fwd if c.checkpoint else 0.0
     bwd_c = [
-        times.embed * 2 / 3 if u.kind == "embed" else u.n_blocks * (recompute + times.block_bwd)
+        per_pass
+        * (times.embed * 2 / 3 if u.kind == "embed" else u.n_blocks * (recompute + times.block_bwd))
         for u in reversed(body)
     ]
     dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
     kept = min(c.prefetch, len(body))
     bwd_x = [0.0 if i < kept else u.n_total * dt / dup for i, u in enumerate(reversed(body))]
-    d2h = sum(u.n_total * dt / hw.d2h_bps for u in units) if cuda else 0.0
+    grad_bytes = 4 if per_pass > 1 else dt  # summed over micro-batches in fp32 on the device
+    d2h = sum(u.n_total * grad_bytes / hw.d2h_bps for u in units) if cuda else 0.0
     bwd, bwd_bus = _pipeline(bwd_c, bwd_x, c.prefetch)
     bwd = max(bwd, d2h)
     offload = 0.0
     if c.offload_activations and cuda:
         offload = 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
+        offload *= per_pass
     if hw.host_shares_compute:
         # CPU backend: the copy thread takes a core that compute would use, so copies add
         # to the step rather than hide under it
         fwd = sum(fwd_c_all) + sum(h2d)
         bwd = sum(bwd_c) + sum(bwd_x)
-    overhead = (2 * len(units) - 1) * hw.unit_overhead_s
-    micro = fwd + bwd + offload + overhead
+    overhead = (2 * len(units) - 1) * per_pass * hw.unit_overhead_s
+    one_pass = fwd + bwd + offload + overhead
     n = a.n_params
-    accum = (c.grad_accum - 1) * n * hw.accum_s_per_param
+    # the host adds gradients only when they come back more than once per step
+    accum = (passes - 1) * n * hw.accum_s_per_param
     optimizer = n * hw.adam_s_per_param
     if hw.host_shares_compute:
         tail = optimizer + accum  # the CPU backend's host work takes the same cores
     else:
-        # gradient clipping (the default) defers updates until the last unit lands; they
-        # then run in forward order under the next step's forward; unit 0 gates it
         first_unit = units[0].n_owned * hw.adam_s_per_param
-        tail = max(first_unit, optimizer - fwd) + max(0.0, accum - c.grad_accum * bwd)
-    step = c.grad_accum * micro + tail
-    compute_s = c.grad_accum * (sum(fwd_c_all) + sum(bwd_c))
-    bus_s = c.grad_accum * (fwd_bus + bwd_bus)
+        # exact (with clipping): updates wait for the last unit's gradients, then run in
+        # forward order under the next step's forward; eager: they run as gradients land,
+        # under the rest of the backward too
+        hidden_by = bwd + fwd if eager else fwd
+        tail = max(first_unit, optimizer - hidden_by) + max(0.0, accum - passes * bwd)
+    step = passes * one_pass + tail
+    compute_s = passes * (sum(fwd_c_all) + sum(bwd_c))
+    bus_s = passes * (fwd_bus + bwd_bus)
     bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
     tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
+    h2d_bytes = sum(u.n_total for u in units) * dt + sum(
+        u.n_total * dt for i, u in enumerate(reversed(body)) if i >= kept
+    )
     return Prediction(
         step_s=step,
         tokens_per_s=tokens / step,
@@ -171,6 +202,6 @@ def predict(
             "optimizer_tail_s": tail,
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
-            "h2d_bytes_per_micro": sum(u.n_total for u in units) * dt * 2,
+            "h2d_bytes_per_step": h2d_bytes * passes,
         },
     )

@@ -100,8 +100,10 @@ def candidates(cfg: Config, target_batch: int, max_prefetch: int = 3):
         n_units = 2 + -(-cfg.model.n_layer // lpu)
         for prefetch in range(0, min(max_prefetch, n_units - 1) + 1):
             for mb in _batch_options(target_batch):
+                accum = target_batch // mb
                 for ckpt, offload in ((False, False), (True, False), (True, True)):
-                    yield Candidate(lpu, prefetch, mb, target_batch // mb, ckpt, offload)
+                    for order in ("unit", "micro") if accum > 1 else ("unit",):
+                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, order)
 
 
 @dataclass
@@ -135,7 +137,8 @@ def search(
                 replace(cfg, swap={"layers_per_unit": cand.layers_per_unit, "prefetch": 0})
             )
         a = analyses[cand.layers_per_unit]
-        pred = predict(a, cand, hw, times_for(cand.micro_batch, a), dtype)
+        eager = cfg.swap.update == "eager"
+        pred = predict(a, cand, hw, times_for(cand.micro_batch, a), dtype, eager)
         scored.append(
             Scored(
                 cand, pred, pred.peak_device_bytes <= hw.device_mem, pred.host_bytes <= hw.host_mem
@@ -226,14 +229,15 @@ def _longest_fitting_seq_len(
 
 def format_table(rows: list[Scored], limit: int = 8) -> str:
     head = (
-        "| # | layers/unit | prefetch | micro-batch x accum | checkpoint | offload | "
+        "| # | layers/unit | prefetch | micro-batch x accum | order | checkpoint | offload | "
         "step s | tokens/s | device peak | host RAM | bottleneck |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for i, s in enumerate(rows[:limit], 1):
         c, p = s.candidate, s.prediction
         lines.append(
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
+            f"{c.order if c.grad_accum > 1 else '-'} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
             f"{p.step_s:.3f} | {p.tokens_per_s:,.0f} | {_gib(p.peak_device_bytes)} | "
             f"{_gib(p.host_bytes)} | {p.bottleneck} |"
@@ -257,6 +261,7 @@ def make_plan(
             "prefetch": c.prefetch,
             "checkpoint": c.checkpoint,
             "offload_activations": c.offload_activations,
+            "order": c.order,
         },
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,

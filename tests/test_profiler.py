@@ -59,26 +59,33 @@ def test_analytic_activations_match_a_measured_block(arch, kv):
 
 
 CANDIDATES = [
-    # layers_per_unit, prefetch, micro_batch, checkpoint, offload, arch
-    (1, 1, 4, True, False, "gpt"),
-    (2, 2, 2, True, False, "gpt"),
-    (1, 0, 4, False, False, "gpt"),
-    (2, 1, 4, False, False, "llama"),
-    (1, 2, 8, True, True, "llama"),
-    (3, 1, 4, True, False, "llama"),
+    # layers_per_unit, prefetch, micro_batch, checkpoint, offload, arch, grad_accum, order
+    (1, 1, 4, True, False, "gpt", 1, "unit"),
+    (2, 2, 2, True, False, "gpt", 1, "unit"),
+    (1, 0, 4, False, False, "gpt", 1, "unit"),
+    (2, 1, 4, False, False, "llama", 1, "unit"),
+    (1, 2, 8, True, True, "llama", 1, "unit"),
+    (3, 1, 4, True, False, "llama", 1, "unit"),
+    (1, 1, 4, True, False, "gpt", 3, "unit"),
+    (2, 1, 2, False, False, "llama", 4, "unit"),
+    (1, 1, 4, True, True, "gpt", 3, "unit"),
+    (1, 1, 4, True, False, "gpt", 3, "micro"),
 ]
 
 
-@pytest.mark.parametrize("lpu,prefetch,mb,ckpt,offload,arch", CANDIDATES)
-def test_memory_model_matches_the_engine_accounting(lpu, prefetch, mb, ckpt, offload, arch):
+@pytest.mark.parametrize("lpu,prefetch,mb,ckpt,offload,arch,accum,order", CANDIDATES)
+def test_memory_model_matches_the_engine_accounting(
+    lpu, prefetch, mb, ckpt, offload, arch, accum, order
+):
     cfg = tiny_config(
         model={"arch": arch, "n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
-        train={"micro_batch": mb},
+        train={"micro_batch": mb, "grad_accum": accum},
         swap={
             "layers_per_unit": lpu,
             "prefetch": prefetch,
             "checkpoint": ckpt,
             "offload_activations": offload,
+            "order": order,
         },
     )
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
@@ -87,7 +94,7 @@ def test_memory_model_matches_the_engine_accounting(lpu, prefetch, mb, ckpt, off
         measured = engine.ledger.peak
     finally:
         engine.close()
-    cand = Candidate(lpu, prefetch, mb, 1, ckpt, offload)
+    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order)
     predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
     assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
 

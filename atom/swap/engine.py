@@ -370,6 +370,7 @@ class SwapEngine:
         with self._hooks(u, counter):
             loss = run_unit(self.units[u], leaves, h_in, y)
         grad_h, *grads = torch.autograd.grad(loss * scale, [h_in, *leaves])
+        self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
         self.ledger.sub(counter[0])
         return loss, grad_h, grads
 
@@ -392,6 +393,7 @@ class SwapEngine:
             grad_in, grads = None, torch.autograd.grad(out, leaves, grad_h)
         else:
             grad_in, *grads = torch.autograd.grad(out, [h_in, *leaves], grad_h)
+        self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
         self.ledger.sub(counter[0])
         if ckpt and u > 0 and not offloaded:
             self.ledger.sub(h_in.nbytes)
@@ -403,7 +405,6 @@ class SwapEngine:
         at the end of a run of visits, send it to the host (one copy per run). A run of one
         visit sends the gradients as they are (no accumulator, no extra device copy)."""
         if run.length == 1:
-            self.ledger.add(sum(g.nbytes for g in grads))
             self._post_grads(u, grads, first=run.first_run, last=run.last_run)
             return
         unit = self.units[u]
@@ -416,6 +417,7 @@ class SwapEngine:
             torch._foreach_copy_(st.acc[u][1], grads)
         else:
             torch._foreach_add_(st.acc[u][1], grads)
+        self.ledger.sub(sum(g.nbytes for g in grads))
         if run.last_visit:
             acc, _ = st.acc.pop(u)
             self._post_grads(u, acc, first=run.first_run, last=run.last_run)
