@@ -1,0 +1,33 @@
+"""tools/gpu_check's CPU dry run: every section runs on tiny shapes, so the script that
+proves a GPU machine cannot rot between the few runs that have one.
+
+    pytest tests/test_gpu_check.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools import gpu_check
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_a_complete_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATOM_CACHE", str(tmp_path / "cache"))
+    assert gpu_check.main([str(tmp_path / "report"), "--dry-run"]) == 0
+    report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
+    sections = report["sections"]
+    assert set(sections) == {"env", "bandwidth", "tests", "equivalence", "fits", "big",
+                             "deepspeed"}  # fmt: skip
+    assert report["failed"] == []
+    assert sections["equivalence"]["worst_fp32_rel_err"] <= 1e-5
+    big = sections["big"]
+    assert big["train_exit"] == 0 and big["peak_over_predicted"] > 0
+    assert {(v["order"], v["update"]) for v in big["variants"]} == {
+        ("unit", "exact"),
+        ("unit", "eager"),
+        ("micro", "exact"),
+    }
+    assert (tmp_path / "report" / "gpu_check.md").read_text().startswith("# gpu_check")
