@@ -374,14 +374,16 @@ def fits_section(dry: bool) -> dict:
     return {"rows": rows, "note": "the resident baseline recomputes when the swapped run does"}
 
 
-def big_section(dry: bool, config: str, gpu_mem: str, batch: int, steps: int) -> dict:
+def big_section(
+    dry: bool, config: str, gpu_mem: str, batch: int, steps: int, overrides: list[str]
+) -> dict:
     """`atom profile` under the cap, then training steps of the chosen plan in a child
     process that cannot use more than the cap."""
     out = Path(os.environ["GPU_CHECK_OUT"])
     plan = out / "plan.json"
     if dry:
         config, gpu_mem, batch = "tiny", "1GiB", 8
-    sets = ["--set", "model.vocab_size=256"]
+    sets = [a for kv in ["model.vocab_size=256", *overrides] for a in ("--set", kv)]
     code, log = _child(
         [
             "-m",
@@ -554,6 +556,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step for `big`")
     p.add_argument("--steps", type=int, default=3, help="timed training steps for `big`")
     p.add_argument("--only", nargs="*", help="run only these sections")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=V",
+        help="config override for `big`, e.g. --set swap.update=eager (repeatable)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     os.environ["GPU_CHECK_OUT"] = str(out)
@@ -565,7 +575,16 @@ def main(argv: list[str] | None = None) -> int:
         ("tests", tests_section, args.dry_run),
         ("equivalence", equivalence_section, args.dry_run),
         ("fits", fits_section, args.dry_run),
-        ("big", big_section, args.dry_run, args.config, args.gpu_mem, args.batch, args.steps),
+        (
+            "big",
+            big_section,
+            args.dry_run,
+            args.config,
+            args.gpu_mem,
+            args.batch,
+            args.steps,
+            args.overrides,
+        ),  # fmt: skip
         ("deepspeed", deepspeed_section, args.dry_run),
     ]
     failed = []
