@@ -170,18 +170,22 @@ def predict(
     overhead = (2 * len(units) - 1) * per_pass * hw.unit_overhead_s
     one_pass = fwd + bwd + offload + overhead
     n = a.n_params
-    # the host adds gradients only when they come back more than once per step
-    accum = (passes - 1) * n * hw.accum_s_per_param
+    # Host side, on one worker thread: each unit's gradient lands once per pass (a copy or
+    # an add into the fp32 host gradient), then the unit updates (norm, Adam, bf16 refresh).
+    landing = passes * n * hw.accum_s_per_param
     optimizer = n * hw.adam_s_per_param
     if hw.host_shares_compute:
-        tail = optimizer + accum  # the CPU backend's host work takes the same cores
+        tail = optimizer + landing  # the CPU backend's host work takes the same cores
     else:
         first_unit = units[0].n_owned * hw.adam_s_per_param
-        # exact (with clipping): updates wait for the last unit's gradients, then run in
-        # forward order under the next step's forward; eager: they run as gradients land,
-        # under the rest of the backward too
-        hidden_by = bwd + fwd if eager else fwd
-        tail = max(first_unit, optimizer - hidden_by) + max(0.0, accum - passes * bwd)
+        if eager:
+            # landings and updates run as gradients arrive, under the rest of the backward
+            # and the next step's forward
+            tail = max(first_unit, landing + optimizer - bwd - fwd)
+        else:
+            # exact (with clipping): updates wait for the last landing, then run in forward
+            # order under the next step's forward
+            tail = max(0.0, landing - passes * bwd) + max(first_unit, optimizer - fwd)
     step = passes * one_pass + tail
     compute_s = passes * (sum(fwd_c_all) + sum(bwd_c))
     bus_s = passes * (fwd_bus + bwd_bus)

@@ -65,9 +65,11 @@ def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
         "d2h_bps": pcie_gbps * 1e9,
         "duplex_h2d_bps": duplex_gbps * 1e9,
         "matmul_flops": tflops * 1e12,
-        # torch fused AdamW on a 8-16 core desktop CPU (FIELD_NOTES: 58 ms / 100M on 2 cores)
-        "adam_s_per_param": 1.5e-10,
-        "accum_s_per_param": 0.3e-10,
+        # The host side is DRAM-bound: a desktop's dual-channel DDR4/DDR5 moves ~40-60 GB/s.
+        # An update (norm dot, fused AdamW, bf16 refresh) touches ~46 bytes per parameter,
+        # a gradient landing (bf16 or fp32 in, fp32 add) ~10-12 (measure_host_optimizer).
+        "adam_s_per_param": 46 / 50e9,
+        "accum_s_per_param": 12 / 50e9,
         "host_shares_compute": False,
     }
 
@@ -114,20 +116,34 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_host_optimizer(numel: int = 32_000_000) -> tuple[float, float]:
-    """Seconds per parameter of torch's fused AdamW step and of one gradient add on the host.
+def measure_host_optimizer(
+    numel: int = 32_000_000, compute_dtype: torch.dtype = torch.float32
+) -> tuple[float, float]:
+    """Seconds per parameter of the host's work on a unit, as the swap engine does it:
+    (update, landing). update = the gradient norm's dot product + torch's fused AdamW step
+    + refreshing the compute-dtype copy that crosses the bus; landing = one gradient
+    arriving from the device into the fp32 host gradient (a copy or an add).
 
     32M parameters (512 MB of state): large enough to be DRAM-bound and to amortise the
-    thread pool's start-up, as a unit of a real model is (4M on a 16-core host predicted an
-    optimizer 2-3x slower than the training runs showed)."""
+    thread pool's start-up, as a unit of a real model is. Adam alone at 4M parameters
+    predicted the H100 machine's host side 2-3x off (docs/benchmarks.md)."""
     p = torch.zeros(numel)
     p.grad = torch.randn(numel)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
     opt.step()  # state allocation is not per-step cost
-    adam = _median_time(opt.step, 5) / numel
+    compute = p if compute_dtype == torch.float32 else torch.empty(numel, dtype=compute_dtype)
+
+    def update() -> None:
+        float(torch.dot(p.grad, p.grad))
+        opt.step()
+        if compute is not p:
+            compute.copy_(p)
+
+    upd = _median_time(update, 5) / numel
+    arrived = p.grad.to(compute_dtype)
     acc = torch.zeros(numel)
-    add = _median_time(lambda: acc.add_(p.grad), 5) / numel
-    return adam, add
+    land = _median_time(lambda: acc.add_(arrived), 5) / numel
+    return upd, land
 
 
 def measure_unit_overhead(device: torch.device) -> float:
@@ -186,7 +202,7 @@ def measure(
     """Measure this machine at the transfer size the plan would use."""
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
-    adam, add = measure_host_optimizer()
+    adam, add = measure_host_optimizer(compute_dtype=dtype)
     overhead = measure_unit_overhead(device)
     # at least 64 MiB: smaller copies run from cache and overstate DRAM bandwidth
     numel = max(transfer_numel, 1 << 24)
