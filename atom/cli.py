@@ -201,10 +201,13 @@ def cmd_train(args) -> int:
     )
     n_params = sum(t.numel() for t in trainer.engine.named_parameters().values())
     host = host_bytes_needed(cfg, trainer.engine.dtype)[1]
+    backend = getattr(trainer.engine, "backend", None)
+    pinned = getattr(backend, "pinned_bytes", 0)
     print(
         f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
         f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} [{mode}] "
-        f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB",
+        f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB"
+        + (f" ({pinned / 2**30:.2f} GiB of it pinned)" if pinned else ""),
         flush=True,
     )
     main_thread = threading.current_thread() is threading.main_thread()

@@ -94,7 +94,7 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
     total = a.host_bytes(dtype)
     if cuda:
-        total += 3 * a.largest_unit * dtype_bytes(dtype)  # pinned D2H staging buffers
+        total += 3 * a.largest_unit * 4  # pinned D2H staging buffers (fp32 when summed)
     if c.offload_activations:
         m = c.grad_accum if c.order == "unit" else 1
         total += (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * m
@@ -207,5 +207,9 @@ def predict(
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
             "h2d_bytes_per_step": h2d_bytes * passes,
+            # page-locked on CUDA: every unit's compute copy and the D2H staging pool
+            "pinned_bytes": (sum(u.n_total for u in units) * dt + 3 * a.largest_unit * 4)
+            if cuda
+            else 0,
         },
     )

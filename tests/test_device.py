@@ -73,3 +73,93 @@ def test_cuda_backend_accepts_a_bare_cuda_device(monkeypatch):
         assert fake.set_to == torch.device("cuda", 0)
     finally:
         b.close()
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() as far as the pinned arena uses it: records registrations."""
+
+    def __init__(self, fail: bool = False):
+        self.registered: dict[int, int] = {}
+        self.fail = fail
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        if self.fail:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.registered.pop(ptr)
+        return 0
+
+
+def test_pinned_arena_is_one_registration_sized_like_its_buffers(monkeypatch):
+    from atom.swap.pinned import ALIGN, PinnedArena
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    requests = [(3_000_001, torch.bfloat16), (12_345, torch.float32), (7, torch.bfloat16),
+                (2_000_000, torch.float32)]  # fmt: skip
+    arena = PinnedArena(requests)
+    want = sum(n * torch.empty(0, dtype=dt).element_size() for n, dt in requests)
+    assert len(cudart.registered) == 1
+    ((ptr, size),) = cudart.registered.items()
+    assert ptr % ALIGN == 0 and size == arena.nbytes
+    assert want <= arena.nbytes <= want * 1.05  # no power-of-two rounding
+    spans = []
+    for t, (n, dt) in zip(arena.slices, requests, strict=True):
+        assert t.numel() == n and t.dtype == dt and t.data_ptr() % ALIGN == 0
+        spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
+        assert ptr <= spans[-1][0] and spans[-1][1] <= ptr + size
+    spans.sort()
+    # no two buffers overlap
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+    for i, t in enumerate(arena.slices):
+        t.fill_(i + 1)
+    assert all(bool((t == i + 1).all()) for i, t in enumerate(arena.slices))
+    arena.close()
+    assert cudart.registered == {}
+
+
+def test_swap_engine_on_cuda_pins_its_units_in_one_arena(monkeypatch):
+    """HostStore asks the CUDA backend for every bus buffer at once: the pinned bytes are
+    the units' compute copies plus the D2H staging pool, within 5%."""
+    from atom.model import build_model
+    from atom.swap import backend as backend_mod
+    from atom.swap.host_store import HostStore
+    from atom.swap.units import partition
+
+    _FakeCuda().install(monkeypatch)
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    cfg = tiny_config(model={"n_layer": 4, "d_model": 128})
+    units = partition(build_model(cfg.model, device="meta"), 1)
+    largest = max(u.n_total for u in units)
+    b = backend_mod.CudaBackend(torch.device("cuda"), largest, torch.bfloat16)
+    try:
+        store = HostStore(units, b, torch.bfloat16)
+        units_bytes = sum(u.n_total for u in units) * 2
+        staging = 3 * largest * 4
+        assert len(cudart.registered) == 1
+        assert units_bytes + staging <= b.pinned_bytes <= (units_bytes + staging) * 1.05
+        assert all(buf.compute.dtype == torch.bfloat16 for buf in store.buffers)
+    finally:
+        b.close()
+
+
+def test_a_refused_registration_falls_back_to_per_buffer_pinning(monkeypatch):
+    from atom.swap import pinned
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _FakeCudart(fail=True))
+    pinned_calls = []
+    real_empty = torch.empty
+
+    def fake_empty(*a, pin_memory=False, **k):
+        if pin_memory:
+            pinned_calls.append(a)
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(pinned.torch, "empty", fake_empty)
+    arena, bufs = pinned.allocate([(10, torch.float32), (4, torch.bfloat16)])
+    assert arena is None and len(pinned_calls) == 2
+    assert [b.numel() for b in bufs] == [10, 4]

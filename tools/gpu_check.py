@@ -472,7 +472,13 @@ def train_child(
         bus_floor = moved / hw["h2d_bps"] if hw.get("h2d_bps") else None
         compute = plan.prediction["detail"]["compute_s"]
         peak = engine.device_peak_bytes()
+        dt = torch.empty(0, dtype=engine.dtype).element_size()
+        bus_buffers = sum(u.n_total for u in engine.units) * dt
+        staging = 3 * max(u.n_total for u in engine.units) * 4
+        pinned = getattr(engine.backend, "pinned_bytes", 0)
         res.update(
+            pinned_bytes=pinned,
+            pinned_over_buffers=round(pinned / (bus_buffers + staging), 4) if pinned else None,
             schedule=f"{cfg.swap.order}-major, {cfg.swap.update} updates",
             step_times_s=[round(t, 3) for t in times],
             step_s=round(step_s, 3),

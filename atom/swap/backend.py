@@ -99,6 +99,12 @@ class Backend:
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def alloc_host_many(self, requests: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+        """Every host buffer that crosses the bus, asked for at once (one arena on CUDA)."""
+        return [self.alloc_host(n, dt) for n, dt in requests]
+
+    pinned_bytes: int = 0  # page-locked host bytes this backend holds
+
     def record(self) -> object:
         """A marker after the compute issued so far (used to guard slot reuse)."""
         raise NotImplementedError
@@ -244,19 +250,38 @@ class CudaBackend(Backend):
         self.d2h_stream = torch.cuda.Stream(device)
         self._copier = _CopyWorker("atom-h2d")
         # Why a fixed pool: unbounded staging would let D2H run ahead of the host optimizer
-        # and grow pinned memory without limit.
-        self._staging: queue.Queue = queue.Queue()
-        for _ in range(staging_buffers):
-            # raw bytes: gradients come back in the compute dtype, or fp32 when several
-            # micro-batches were summed on the device
-            nbytes = staging_numel * max(4, torch.empty(0, dtype=staging_dtype).element_size())
-            self._staging.put(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        # and grow pinned memory without limit. Raw bytes: gradients come back in the
+        # compute dtype, or fp32 when several micro-batches were summed on the device.
+        self._staging_request = [
+            (staging_numel * max(4, torch.empty(0, dtype=staging_dtype).element_size()),
+             torch.uint8)
+        ] * staging_buffers  # fmt: skip
+        self._staging: queue.Queue | None = None
+        self._arenas: list = []
+        self.pinned_bytes = 0
 
     def alloc_device(self, numel, dtype):
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def alloc_host(self, numel, dtype):
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return self.alloc_host_many([(numel, dtype)])[0]
+
+    def alloc_host_many(self, requests):
+        """One page-locked arena for the units' bus buffers and the D2H staging pool."""
+        from atom.swap import pinned
+
+        want_staging = self._staging is None
+        arena, bufs = pinned.allocate(list(requests) + (self._staging_request * want_staging))
+        if arena is not None:
+            self._arenas.append(arena)
+            self.pinned_bytes += arena.nbytes
+        else:
+            self.pinned_bytes += sum(b.nbytes for b in bufs)
+        if want_staging:
+            self._staging = queue.Queue()
+            for buf in bufs[len(requests) :]:
+                self._staging.put(buf)
+        return bufs[: len(requests)]
 
     def record(self) -> object:
         ev = torch.cuda.Event()
@@ -284,6 +309,8 @@ class CudaBackend(Backend):
         srcs = [src] if isinstance(src, torch.Tensor) else list(src)
         numel = sum(t.numel() for t in srcs)
         dtype = srcs[0].dtype
+        if self._staging is None:  # no host buffers were asked for (profiler probes)
+            self.alloc_host_many([])
         buf = self._staging.get(timeout=600)
         host = buf[: numel * srcs[0].element_size()].view(dtype)
         with torch.cuda.stream(self.d2h_stream):
@@ -333,3 +360,5 @@ class CudaBackend(Backend):
 
     def close(self) -> None:
         self._copier.close()
+        # The arenas stay page-locked while any tensor may still view them; they are
+        # unregistered when the process (or the last reference) goes.

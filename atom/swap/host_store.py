@@ -42,17 +42,19 @@ class HostStore:
         self.units = units
         self.compute_dtype = compute_dtype
         self.buffers: list[UnitBuffers] = []
-        for spec in units:
-            shares = compute_dtype == torch.float32 and spec.n_total == spec.n_owned
-            # master is what crosses the bus when it doubles as the compute copy: pin it then
-            master = (
-                backend.alloc_host(spec.n_owned, torch.float32)
-                if shares
-                else torch.empty(spec.n_owned, dtype=torch.float32)
-            )
-            compute = master if shares else backend.alloc_host(spec.n_total, compute_dtype)
+        # what crosses the bus, asked for at once: one pinned arena on CUDA. master is that
+        # buffer when it doubles as the compute copy (fp32, no tied aliases).
+        shares = [compute_dtype == torch.float32 and u.n_total == u.n_owned for u in units]
+        bus = backend.alloc_host_many(
+            [
+                (u.n_owned, torch.float32) if same else (u.n_total, compute_dtype)
+                for u, same in zip(units, shares, strict=True)
+            ]
+        )
+        for spec, same, on_bus in zip(units, shares, bus, strict=True):
+            master = on_bus if same else torch.empty(spec.n_owned, dtype=torch.float32)
             grad = torch.zeros(spec.n_total, dtype=torch.float32)
-            buf = UnitBuffers(spec, master, grad, compute)
+            buf = UnitBuffers(spec, master, grad, on_bus)
             buf.ready.set()
             self.buffers.append(buf)
 
