@@ -8,6 +8,8 @@ which torch.cuda.set_device and per-device memory stats refuse. These tests fail
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -117,8 +119,12 @@ def test_pinned_arena_is_one_registration_sized_like_its_buffers(monkeypatch):
     for i, t in enumerate(arena.slices):
         t.fill_(i + 1)
     assert all(bool((t == i + 1).all()) for i, t in enumerate(arena.slices))
-    arena.close()
-    assert cudart.registered == {}
+    keep = arena.slices[1]
+    del arena
+    assert len(cudart.registered) == 1  # a slice still views the memory: still pinned
+    del keep, t
+    gc.collect()
+    assert cudart.registered == {}  # the last view gone: unregistered before it is freed
 
 
 def test_swap_engine_on_cuda_pins_its_units_in_one_arena(monkeypatch):

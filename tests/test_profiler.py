@@ -109,9 +109,12 @@ def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
     fastest = min(r.prediction.step_s for r in ranked)
     assert ranked[0].prediction.step_s <= fastest * 1.01  # fastest, up to a 1% tie...
     ties = [r for r in ranked if r.prediction.step_s <= fastest * 1.01]
-    # ...broken towards the smallest device footprint
+    # ...broken towards the fewest bytes over the bus, then the smallest device footprint
+    bus = [r.prediction.detail["h2d_bytes_per_step"] for r in ties]
+    assert ranked[0].prediction.detail["h2d_bytes_per_step"] == min(bus)
+    least_bus = [r for r in ties if r.prediction.detail["h2d_bytes_per_step"] == min(bus)]
     assert ranked[0].prediction.peak_device_bytes == min(
-        r.prediction.peak_device_bytes for r in ties
+        r.prediction.peak_device_bytes for r in least_bus
     )
     assert plan.micro_batch * plan.grad_accum == 8
     trained = plan.apply(cfg)

@@ -11,7 +11,9 @@ CUDA backend reports them.
 from __future__ import annotations
 
 import logging
+import weakref
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -23,8 +25,28 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: CUDA may already be gone
+        pass
+
+
+def _consume_cuda_error() -> None:
+    """A failed cudaHostRegister leaves CUDA's last-error set, and torch would raise it at
+    the next kernel launch (seen on the H100 machine); one tiny launch reads and clears it."""
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except Exception:
+        pass
+
+
 class PinnedArena:
-    """Slices of one page-locked allocation. `slices[i]` has `requests[i]`'s numel/dtype."""
+    """Slices of one page-locked allocation. `slices[i]` has `requests[i]`'s numel/dtype.
+
+    The memory is a numpy array that every slice keeps alive; it is unregistered when the
+    last slice goes (weakref.finalize runs before numpy frees it), so a later arena that
+    gets the same addresses can register them again."""
 
     def __init__(self, requests: list[tuple[int, torch.dtype]]):
         sizes = [n * torch.empty(0, dtype=dt).element_size() for n, dt in requests]
@@ -34,32 +56,25 @@ class PinnedArena:
             total += _aligned(max(size, 1))
         self.nbytes = total
         # over-allocate by a page to start the registered region on a page boundary
-        self._raw = torch.empty(total + ALIGN, dtype=torch.uint8)
-        start = (-self._raw.data_ptr()) % ALIGN
-        self.buffer = self._raw[start : start + total]
-        self._registered = self._register(self.buffer)
+        raw = np.empty(total + ALIGN, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGN
+        self.buffer = torch.from_numpy(raw)[start : start + total]
+        self._register(self.buffer)
+        weakref.finalize(raw, _unregister, self.buffer.data_ptr())
         self.slices = [
             self.buffer[o : o + size].view(dt)[:n]
             for o, size, (n, dt) in zip(offsets, sizes, requests, strict=True)
         ]
 
     @staticmethod
-    def _register(buf: torch.Tensor) -> bool:
-        if buf.numel() == 0:
-            return False
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-        if int(err) != 0:
+    def _register(buf: torch.Tensor) -> None:
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0))
+        if err != 0:
+            _consume_cuda_error()
             raise RuntimeError(
-                f"cudaHostRegister of {buf.numel() / 2**30:.2f} GiB failed (error {int(err)}): "
+                f"cudaHostRegister of {buf.numel() / 2**30:.2f} GiB failed (error {err}): "
                 "the system refused to page-lock that much host memory"
             )
-        return True
-
-    def close(self) -> None:
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self._registered = False
 
 
 def allocate(requests: list[tuple[int, torch.dtype]]) -> tuple[PinnedArena | None, list]:
