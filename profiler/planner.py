@@ -137,8 +137,11 @@ def search(
                 replace(cfg, swap={"layers_per_unit": cand.layers_per_unit, "prefetch": 0})
             )
         a = analyses[cand.layers_per_unit]
+        times = times_for(cand.micro_batch, a)
+        if times is None:  # that micro-batch ran out of device memory while being timed
+            continue
         eager = cfg.swap.update == "eager"
-        pred = predict(a, cand, hw, times_for(cand.micro_batch, a), dtype, eager)
+        pred = predict(a, cand, hw, times, dtype, eager)
         scored.append(
             Scored(
                 cand, pred, pred.peak_device_bytes <= hw.device_mem, pred.host_bytes <= hw.host_mem

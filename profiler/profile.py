@@ -67,15 +67,33 @@ def run_profile(
             hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem)
             cache.data["hardware"] = hw.to_dict()
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= target]
-        missing = [b for b in sizes if target % b == 0 and cache.pieces(b) is None]
+        too_big = cache.data.get("oom_from")
+        missing = [
+            b
+            for b in sizes
+            if target % b == 0 and cache.pieces(b) is None and (too_big is None or b < too_big)
+        ]
         for mb in tqdm(
             missing, desc="timing one block", unit="batch size", disable=not progress or not missing
         ):
-            cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
+            try:
+                cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
+            except torch.OutOfMemoryError:
+                # One block (or the head's B x T x V logits) at this micro-batch does not
+                # fit the device: no plan can use it or anything larger. Back off.
+                log.warning(
+                    "micro-batch %d does not fit on the device even for one block; "
+                    "plans use smaller ones",
+                    mb,
+                )
+                cache.data["oom_from"] = mb
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                break
         cache.save()
 
         def times_for(mb: int, a: ModelAnalysis):
-            return cache.pieces(mb)
+            return cache.pieces(mb)  # None: not measurable here (out of memory)
 
     scored = search(cfg, hw, dtype, target, times_for)
     ranked = choose(scored, hw, cfg, dtype)

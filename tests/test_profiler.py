@@ -217,3 +217,27 @@ def test_profile_and_train_with_the_plan_through_the_cli(
     assert (tmp_path / "cache" / "profile").is_dir()
     assert main(["profile", *sets, "--out", str(plan_path), "--host-mem", "1MiB"]) == 2
     assert "host RAM" in capsys.readouterr().err
+
+
+def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkeypatch, tmp_path):
+    """Timing one block at a micro-batch the device cannot hold (on a 24 GB card: the
+    head's logits from micro-batch 16) must never crash `atom profile`: that size and the
+    larger ones are left out, and the plan uses a smaller one."""
+    from profiler import timing
+
+    monkeypatch.setenv("ATOM_CACHE", str(tmp_path))
+    real = timing.measure_pieces
+    tried = []
+
+    def measure(model_cfg, micro_batch, device, dtype, reps=5):
+        tried.append(micro_batch)
+        if micro_batch >= 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model_cfg, micro_batch, device, dtype, reps=1)
+
+    monkeypatch.setattr(timing, "measure_pieces", measure)
+    cfg = tiny_config(model={"n_layer": 2}, train={"micro_batch": 8, "grad_accum": 1})
+    plan, ranked, _ = run_profile(cfg, gpu_mem=256 * 2**20, host_mem=GiB, progress=False)
+    assert tried == [1, 2, 4]  # stopped at the first size that did not fit
+    assert plan.micro_batch == 2 and plan.grad_accum == 4
+    assert all(r.candidate.micro_batch < 4 for r in ranked)
