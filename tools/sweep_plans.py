@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prefetch": c.prefetch,
                 "checkpoint": c.checkpoint,
                 "offload_activations": False,
+                "order": c.order,
             },
             train={"micro_batch": c.micro_batch, "grad_accum": c.grad_accum},
         )
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((c, pred, best_time[c], peaks[c]))
         print(
             f"lpu {c.layers_per_unit} prefetch {c.prefetch} mb {c.micro_batch}x{c.grad_accum} "
-            f"ckpt {c.checkpoint}: predicted {pred.step_s:.4f}s measured {best_time[c]:.4f}s, "
+            f"{c.order} ckpt {c.checkpoint}: predicted {pred.step_s:.4f}s "
+            f"measured {best_time[c]:.4f}s, "
             f"peak predicted {pred.peak_device_bytes / 2**20:.1f} MiB measured "
             f"{peaks[c] / 2**20:.1f} MiB, other users' CPU {foreign[c]:.1%}",
             file=sys.stderr,
@@ -167,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         r
         for r in rows
         if r[0] == ranked[0].candidate
-        or (r[0].layers_per_unit, r[0].prefetch, r[0].micro_batch, r[0].checkpoint)
+        or (r[0].layers_per_unit, r[0].prefetch, r[0].micro_batch, r[0].checkpoint, r[0].order)
         == (
             plan.swap["layers_per_unit"],
             plan.swap["prefetch"],
             plan.micro_batch,
             plan.swap["checkpoint"],
+            plan.swap.get("order", "unit"),
         )
     )
     rank = rows.index(chosen) + 1
@@ -184,15 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         f"({', '.join(whole.top) or 'nobody'}); {len(remeasured)} plans measured again"
     )
     print(
-        "| rank | layers/unit | prefetch | micro-batch x accum | checkpoint | predicted s | "
-        "measured s | vs best | other users' CPU |"
+        "| rank | layers/unit | prefetch | micro-batch x accum | order | checkpoint | "
+        "predicted s | measured s | vs best | other users' CPU |"
     )
-    print("|---:|---:|---:|---:|:---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|:---:|:---:|---:|---:|---:|---:|")
     for i, (c, p, m, _) in enumerate(rows[:10], 1):
         mark = " (chosen)" if (c, p, m, _) == chosen else ""
         print(
             f"| {i}{mark} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x "
-            f"{c.grad_accum} | {c.checkpoint} | {p.step_s:.4f} | {m:.4f} | {m / best:.3f}x | "
+            f"{c.grad_accum} | {c.order} | {c.checkpoint} | {p.step_s:.4f} | {m:.4f} | "
+            f"{m / best:.3f}x | "
             f"{foreign[c]:.1%} |"
         )
     summary = {
