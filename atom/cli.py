@@ -211,9 +211,7 @@ def cmd_train(args) -> int:
         flush=True,
     )
     main_thread = threading.current_thread() is threading.main_thread()
-    previous_term = (
-        signal.signal(signal.SIGTERM, _terminate_like_ctrl_c) if main_thread else None
-    )
+    previous_term = signal.signal(signal.SIGTERM, _terminate_like_ctrl_c) if main_thread else None
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
@@ -252,7 +250,12 @@ def cmd_profile(args) -> int:
     host_mem = parse_bytes(args.host_mem) if args.host_mem else None
     try:
         plan, ranked, hw = run_profile(
-            cfg, args.batch, gpu_mem, host_mem, args.hardware, args.refresh,
+            cfg,
+            args.batch,
+            gpu_mem,
+            host_mem,
+            args.hardware,
+            args.refresh,
             progress=sys.stderr.isatty(),
         )
     except Infeasible as err:
@@ -269,6 +272,7 @@ def cmd_profile(args) -> int:
     print(
         f"atom: chose #1: {plan.swap['layers_per_unit']} layer(s)/unit, prefetch "
         f"{plan.swap['prefetch']}, micro-batch {plan.micro_batch} x {plan.grad_accum}, "
+        f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
         f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}: "
         f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
         f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"

@@ -151,8 +151,14 @@ class SwapConfig:
     # "eager": each unit updates as soon as its gradients land, clipped by the previous
     # step's norm: equal to exact training whenever no step is clipped; hides the optimizer.
     update: str = "exact"
+    # Block units kept on the device for the whole step in extra slots (those nearest the
+    # head): loaded once per step instead of once per micro-batch pass. For micro-batch-
+    # major plans with device memory to spare; slots = prefetch + 1 + resident_units.
+    resident_units: int = 0
 
     def __post_init__(self) -> None:
+        if self.resident_units < 0:
+            raise ValueError(f"swap.resident_units must be >= 0, got {self.resident_units}")
         if self.order not in ("unit", "micro"):
             raise ValueError(f"swap.order must be unit|micro, got {self.order!r}")
         if self.update not in ("exact", "eager"):
@@ -162,8 +168,10 @@ class SwapConfig:
         if self.prefetch < 0:
             raise ValueError(f"swap.prefetch must be >= 0, got {self.prefetch}")
         if self.offload_activations and not self.checkpoint:
-            raise ValueError("swap.offload_activations needs swap.checkpoint: true (only the "
-                             "checkpointed unit inputs are offloaded)")
+            raise ValueError(
+                "swap.offload_activations needs swap.checkpoint: true (only the "
+                "checkpointed unit inputs are offloaded)"
+            )
 
 
 @dataclass
@@ -184,6 +192,11 @@ class Config:
             raise ValueError(
                 f"swap.layers_per_unit ({self.swap.layers_per_unit}) exceeds model.n_layer "
                 f"({self.model.n_layer})"
+            )
+        if self.swap.resident_units > self.n_units() - 2:
+            raise ValueError(
+                f"swap.resident_units ({self.swap.resident_units}) is more than the block units "
+                f"({self.n_units() - 2}); lower it"
             )
         if self.swap.prefetch > self.n_units() - 1:
             raise ValueError(

@@ -34,6 +34,7 @@ class Candidate:
     checkpoint: bool
     offload_activations: bool
     order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
+    resident: int = 0  # swap.resident_units: block units kept on the device all step
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Prediction:
 def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
     dt = dtype_bytes(dtype)
     n_units = len(a.units)
-    slots = (c.prefetch + 1) * a.largest_unit * dt
+    slots = (c.prefetch + 1 + c.resident) * a.largest_unit * dt
     hidden = a.hidden_bytes(c.micro_batch, dtype)
     block = a.block_activation_bytes(c.micro_batch, dtype)
     head = a.head_activation_bytes(c.micro_batch, dtype)
@@ -143,7 +144,12 @@ def predict(
     h2d = [u.n_total * dt / hw.h2d_bps for u in units]
     fwd_c = [times.embed / 3 if u.kind == "embed" else u.n_blocks * times.block_fwd for u in body]
     fwd_c_all = [t * per_pass for t in fwd_c + [times.head]]
+    # resident units (the block units before the head) are loaded by the first forward
+    # only: later passes and every backward find them on the device
+    pinned = set(range(len(units) - 1 - c.resident, len(units) - 1))
+    h2d_later = [0.0 if u.index in pinned else h2d[u.index] for u in units]
     fwd, fwd_bus = _pipeline(fwd_c_all, [h2d[u.index] for u in units], c.prefetch)
+    fwd_later, fwd_later_bus = _pipeline(fwd_c_all, h2d_later, c.prefetch)
     # backward over body units in reverse; the last `prefetch` of the forward stay resident
     recompute = times.block_fwd if c.checkpoint else 0.0
     bwd_c = [
@@ -153,7 +159,10 @@ def predict(
     ]
     dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
     kept = min(c.prefetch, len(body))
-    bwd_x = [0.0 if i < kept else u.n_total * dt / dup for i, u in enumerate(reversed(body))]
+    bwd_x = [
+        0.0 if i < kept or u.index in pinned else u.n_total * dt / dup
+        for i, u in enumerate(reversed(body))
+    ]
     grad_bytes = 4 if per_pass > 1 else dt  # summed over micro-batches in fp32 on the device
     d2h = sum(u.n_total * grad_bytes / hw.d2h_bps for u in units) if cuda else 0.0
     bwd, bwd_bus = _pipeline(bwd_c, bwd_x, c.prefetch)
@@ -166,9 +175,11 @@ def predict(
         # CPU backend: the copy thread takes a core that compute would use, so copies add
         # to the step rather than hide under it
         fwd = sum(fwd_c_all) + sum(h2d)
+        fwd_later = sum(fwd_c_all) + sum(h2d_later)
         bwd = sum(bwd_c) + sum(bwd_x)
     overhead = (2 * len(units) - 1) * per_pass * hw.unit_overhead_s
     one_pass = fwd + bwd + offload + overhead
+    later_pass = fwd_later + bwd + offload + overhead
     n = a.n_params
     # Host side, on one worker thread: each unit's gradient lands once per pass (a copy or
     # an add into the fp32 host gradient), then the unit updates (norm, Adam, bf16 refresh).
@@ -186,13 +197,15 @@ def predict(
             # exact (with clipping): updates wait for the last landing, then run in forward
             # order under the next step's forward
             tail = max(0.0, landing - passes * bwd) + max(first_unit, optimizer - fwd)
-    step = passes * one_pass + tail
+    step = one_pass + (passes - 1) * later_pass + tail
     compute_s = passes * (sum(fwd_c_all) + sum(bwd_c))
-    bus_s = passes * (fwd_bus + bwd_bus)
+    bus_s = fwd_bus + (passes - 1) * fwd_later_bus + passes * bwd_bus
     bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
     tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
-    h2d_bytes = sum(u.n_total for u in units) * dt + sum(
-        u.n_total * dt for i, u in enumerate(reversed(body)) if i >= kept
+    first_fwd = sum(u.n_total for u in units) * dt
+    later_fwd = sum(u.n_total for u in units if u.index not in pinned) * dt
+    one_bwd = sum(
+        u.n_total * dt for i, u in enumerate(reversed(body)) if i >= kept and u.index not in pinned
     )
     return Prediction(
         step_s=step,
@@ -206,7 +219,7 @@ def predict(
             "optimizer_tail_s": tail,
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
-            "h2d_bytes_per_step": h2d_bytes * passes,
+            "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
             # page-locked on CUDA: every unit's compute copy and the D2H staging pool
             "pinned_bytes": (sum(u.n_total for u in units) * dt + 3 * a.largest_unit * 4)
             if cuda

@@ -86,6 +86,10 @@ def _lpu_options(n_layer: int) -> list[int]:
     return opts or [1]
 
 
+def _resident_options(most: int) -> list[int]:
+    return [k for k in (0, 1, 2, 4, 8, 16, 32) if k <= max(0, most)]
+
+
 def _batch_options(target: int) -> list[int]:
     opts, b = [], 1
     while b <= target:
@@ -102,8 +106,13 @@ def candidates(cfg: Config, target_batch: int, max_prefetch: int = 3):
             for mb in _batch_options(target_batch):
                 accum = target_batch // mb
                 for ckpt, offload in ((False, False), (True, False), (True, True)):
-                    for order in ("unit", "micro") if accum > 1 else ("unit",):
-                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, order)
+                    yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "unit")
+                    if accum == 1:
+                        continue
+                    # micro-batch-major reloads every unit per micro-batch: keeping some
+                    # block units resident all step is what spare device memory buys
+                    for resident in _resident_options(n_units - 2 - prefetch):
+                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "micro", resident)
 
 
 @dataclass
@@ -237,15 +246,15 @@ def _longest_fitting_seq_len(
 
 def format_table(rows: list[Scored], limit: int = 8) -> str:
     head = (
-        "| # | layers/unit | prefetch | micro-batch x accum | order | checkpoint | offload | "
-        "step s | tokens/s | device peak | host RAM | bottleneck |"
+        "| # | layers/unit | prefetch | micro-batch x accum | order | resident | checkpoint | "
+        "offload | step s | tokens/s | device peak | host RAM | bottleneck |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for i, s in enumerate(rows[:limit], 1):
         c, p = s.candidate, s.prediction
         lines.append(
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
-            f"{c.order if c.grad_accum > 1 else '-'} | "
+            f"{c.order if c.grad_accum > 1 else '-'} | {c.resident} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
             f"{p.step_s:.3f} | {p.tokens_per_s:,.0f} | {_gib(p.peak_device_bytes)} | "
             f"{_gib(p.host_bytes)} | {p.bottleneck} |"
@@ -270,6 +279,7 @@ def make_plan(
             "checkpoint": c.checkpoint,
             "offload_activations": c.offload_activations,
             "order": c.order,
+            "resident_units": c.resident,
         },
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,

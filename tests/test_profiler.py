@@ -70,6 +70,7 @@ CANDIDATES = [
     (2, 1, 2, False, False, "llama", 4, "unit"),
     (1, 1, 4, True, True, "gpt", 3, "unit"),
     (1, 1, 4, True, False, "gpt", 3, "micro"),
+    (1, 1, 2, False, False, "llama", 3, "micro"),
 ]
 
 
@@ -241,3 +242,20 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     assert tried == [1, 2, 4]  # stopped at the first size that did not fit
     assert plan.micro_batch == 2 and plan.grad_accum == 4
     assert all(r.candidate.micro_batch < 4 for r in ranked)
+
+
+def test_memory_model_counts_resident_units():
+    cfg = tiny_config(
+        model={"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
+        train={"micro_batch": 2, "grad_accum": 3},
+        swap={"layers_per_unit": 1, "prefetch": 1, "order": "micro", "resident_units": 2},
+    )
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        measured = engine.ledger.peak
+    finally:
+        engine.close()
+    cand = Candidate(1, 1, 2, 3, True, False, "micro", resident=2)
+    predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
+    assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)

@@ -384,3 +384,33 @@ def test_eager_update_never_applies_a_non_finite_gradient():
         assert all(torch.equal(before[n], after[n]) for n in owned)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("order", ["micro", "unit"])
+def test_resident_units_stay_for_the_step_and_change_nothing(order):
+    """swap.resident_units keeps the block units nearest the head on the device for the
+    whole step: micro-batch-major then loads them once per step instead of per micro-batch,
+    the numbers stay those of plain PyTorch, and the bound is prefetch + 1 + resident."""
+    swap = {"layers_per_unit": 1, "prefetch": 1, "order": order}
+    cfg = tiny_config(model={"n_layer": 4}, train={"grad_accum": 3}, swap=swap)
+    pinned_cfg = tiny_config(
+        model={"n_layer": 4}, train={"grad_accum": 3}, swap={**swap, "resident_units": 2}
+    )
+    plain = SwapEngine(cfg, CpuBackend(), torch.float32)
+    swapped, resident, losses, params = train_both(pinned_cfg)
+    try:
+        for s, r in losses:
+            assert abs(s - r) / abs(r) <= 1e-5
+        for name, p in resident.named_parameters().items():
+            assert rel_err(params[name], p) <= 1e-5, name
+        assert swapped.resident_units == {3, 4}  # the two block units before the head
+        assert len(swapped.slots.slots) == 1 + 1 + 2
+        assert swapped.slots.max_resident <= 1 + 1 + 2
+        for step in range(STEPS):
+            plain.train_step(batches_for(step, cfg), 1e-3)
+        if order == "micro":  # 2 units x (2 loads per micro-batch - 1 per step) x 3 x steps
+            assert swapped.slots.loads < plain.slots.loads
+        else:
+            assert swapped.slots.loads <= plain.slots.loads
+    finally:
+        plain.close()

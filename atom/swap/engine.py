@@ -116,7 +116,10 @@ class SwapEngine:
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)
-        self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype)
+        # units kept on the device for a whole step: the block units nearest the head
+        n_res = cfg.swap.resident_units
+        self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
+        self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1 + n_res, largest, compute_dtype)
         self.ledger = MemoryLedger(self.slots.nbytes)
         self.optimizers = [
             self._make_optimizer(b.master, b.grad, b.spec) for b in self.store.buffers
@@ -196,7 +199,8 @@ class SwapEngine:
     def _advance(self, plan: StepPlan, pos: int, done_unit: int | None) -> None:
         """After position `pos`: free what is not needed soon, load what is."""
         window = plan.windows[pos + 1]
-        if done_unit is not None and done_unit not in window:
+        leaving = done_unit is not None and done_unit not in window
+        if leaving and done_unit not in self.resident_units:  # those stay until the step ends
             self.slots.release(done_unit)
         for unit in window:
             if not self.slots.has(unit):
