@@ -414,3 +414,21 @@ def test_resident_units_stay_for_the_step_and_change_nothing(order):
             assert swapped.slots.loads <= plain.slots.loads
     finally:
         plain.close()
+
+
+def test_bf16_orders_sum_the_same_gradients():
+    """bf16 compute with grad_accum: unit-major sums the micro-batches' bf16 gradients in
+    fp32 on the device; micro-batch-major lands each in the fp32 host gradient (converted
+    first, then added). Same values, same order: the same weights, bit for bit."""
+    results = {}
+    for order in ("unit", "micro"):
+        cfg = tiny_config(train={"dtype": "bf16", "grad_accum": 3}, swap={"order": order})
+        engine = SwapEngine(cfg, CpuBackend(), torch.bfloat16)
+        try:
+            for step in range(3):
+                engine.train_step(batches_for(step, cfg), 1e-3)
+            results[order] = engine.named_parameters()
+        finally:
+            engine.close()
+    for name, p in results["unit"].items():
+        assert torch.equal(p, results["micro"][name]), name
