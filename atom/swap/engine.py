@@ -1,19 +1,22 @@
 """SwapEngine: train a model whose parameters live on the host, streamed through the device.
 
-One optimizer step = for each micro-batch, forward in unit order then backward in
-reverse. The visit order of a step is known in advance, so prefetching is "keep the next
-prefetch+1 distinct units of the order on the device": after a unit computes, its slot is
-released unless it is needed again within that window (the last forward units stay for
-the first backward ones; unit 0 stays across micro-batches), and the freed slot starts
-loading the next unit while the following one computes.
+One optimizer step is a list of unit visits known in advance (atom/swap/schedule.py):
+unit-major (each unit runs every micro-batch while loaded) or micro-batch-major. So
+prefetching is "keep the next prefetch+1 distinct units of the order on the device": after
+a unit computes, its slot is released unless it is needed again within that window (the
+last forward units stay for the first backward ones; `swap.resident_units` stay all step),
+and the freed slot starts loading the next unit while the following one computes.
 
 Backward of a unit: its parameters are reloaded; with `checkpoint` on the unit forward is
 recomputed from the saved unit input, otherwise the autograd graph kept from the forward
 is reused and saved_tensors_hooks re-point its saved parameters at whichever slot holds
-the unit now. Parameter gradients go D2H to the host worker, which accumulates them and
-runs the unit's optimizer step as soon as they are final (or, when the global gradient
-norm is needed for clipping or fp16 overflow checks, once all units have landed, in
-forward order so the next step's first units are ready first).
+the unit now. Each parameter is its own autograd leaf; a unit's gradients are summed on
+the device over a run of consecutive visits and go D2H once per run to the host worker,
+which lands them in the fp32 host gradient and runs the unit's optimizer step as soon as
+they are final (or, when the global gradient norm is needed for clipping or fp16 overflow
+checks, once all units have landed, in forward order so the next step's first units are
+ready first; `swap.update: eager` clips by the previous step's norm instead and does not
+wait).
 """
 
 from __future__ import annotations
