@@ -395,12 +395,41 @@ def big_section(
     return result
 
 
-def deepspeed_section(dry: bool) -> dict:
+def deepspeed_section(
+    dry: bool, config: str, gpu_mem: str, batch: int, steps: int, overrides: list[str]
+) -> dict:
+    """ZeRO-3 with parameters and optimizer offloaded to the CPU, on the model, cap, batch
+    and micro-batch of `big`'s plan; tokens/s next to atom's."""
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         raise SkipSection("DeepSpeed does not import here; baseline not measured") from None
-    raise SkipSection("DeepSpeed baseline: run tools/deepspeed_baseline.py on this machine")
+    if dry:
+        raise SkipSection("the DeepSpeed baseline needs CUDA (dry run)")
+    out = Path(os.environ["GPU_CHECK_OUT"])
+    big = (
+        json.loads((out / "big_train.json").read_text())
+        if (out / "big_train.json").exists()
+        else {}
+    )
+    micro = big.get("plan", {}).get("micro_batch", 1)
+    sets = [a for kv in ["model.vocab_size=256", *overrides] for a in ("--set", kv)]
+    code, log = _child(
+        ["-m", "tools.deepspeed_baseline", "--config", config, "--gpu-mem", gpu_mem,
+         "--batch", str(batch), "--micro-batch", str(micro), "--stage", "3",
+         "--steps", str(max(2, steps - 1)), *sets],
+        timeout=300,
+    )  # fmt: skip
+    result: dict = {"exit": code, "log": log[-2500:]}
+    lines = [line for line in log.splitlines() if line.startswith("{")]
+    if code != 0 or not lines:
+        result["status"] = "FAILED"
+        return result
+    ds = json.loads(lines[-1])
+    result["zero3_offload"] = ds
+    if "tokens_per_s" in ds and big.get("tokens_per_s"):
+        result["atom_over_zero3"] = round(big["tokens_per_s"] / ds["tokens_per_s"], 2)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,7 +479,16 @@ def main(argv: list[str] | None = None) -> int:
             args.steps,
             args.overrides,
         ),  # fmt: skip
-        ("deepspeed", deepspeed_section, args.dry_run),
+        (
+            "deepspeed",
+            deepspeed_section,
+            args.dry_run,
+            args.config,
+            args.gpu_mem,
+            args.batch,
+            args.steps,
+            args.overrides,
+        ),  # fmt: skip
     ]
     failed = []
     for name, fn, *fargs in sections:
