@@ -71,12 +71,16 @@ CANDIDATES = [
     (1, 1, 4, True, True, "gpt", 3, "unit"),
     (1, 1, 4, True, False, "gpt", 3, "micro"),
     (1, 1, 2, False, False, "llama", 3, "micro"),
+    (1, 1, 2, True, False, "gpt", 3, "micro", 2),  # + two resident units
 ]
 
 
-@pytest.mark.parametrize("lpu,prefetch,mb,ckpt,offload,arch,accum,order", CANDIDATES)
+@pytest.mark.parametrize(
+    "lpu,prefetch,mb,ckpt,offload,arch,accum,order,resident",
+    [c if len(c) == 9 else (*c, 0) for c in CANDIDATES],
+)
 def test_memory_model_matches_the_engine_accounting(
-    lpu, prefetch, mb, ckpt, offload, arch, accum, order
+    lpu, prefetch, mb, ckpt, offload, arch, accum, order, resident
 ):
     cfg = tiny_config(
         model={"arch": arch, "n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
@@ -87,6 +91,7 @@ def test_memory_model_matches_the_engine_accounting(
             "checkpoint": ckpt,
             "offload_activations": offload,
             "order": order,
+            "resident_units": resident,
         },
     )
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
@@ -95,7 +100,7 @@ def test_memory_model_matches_the_engine_accounting(
         measured = engine.ledger.peak
     finally:
         engine.close()
-    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order)
+    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order, resident)
     predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
     assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
 
@@ -242,20 +247,3 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     assert tried == [1, 2, 4]  # stopped at the first size that did not fit
     assert plan.micro_batch == 2 and plan.grad_accum == 4
     assert all(r.candidate.micro_batch < 4 for r in ranked)
-
-
-def test_memory_model_counts_resident_units():
-    cfg = tiny_config(
-        model={"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 64},
-        train={"micro_batch": 2, "grad_accum": 3},
-        swap={"layers_per_unit": 1, "prefetch": 1, "order": "micro", "resident_units": 2},
-    )
-    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
-    try:
-        engine.train_step(batches_for(0, cfg), 1e-3)
-        measured = engine.ledger.peak
-    finally:
-        engine.close()
-    cand = Candidate(1, 1, 2, 3, True, False, "micro", resident=2)
-    predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
-    assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)

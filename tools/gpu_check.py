@@ -463,32 +463,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GPU_CHECK_OUT"] = str(out)
     os.environ.setdefault("ATOM_CACHE", str(out / "cache"))
     report = Report(out, args.dry_run)
+    # the model, cap and batch that `big` trains and the DeepSpeed baseline runs
+    model_args = (args.config, args.gpu_mem, args.batch, args.steps, args.overrides)
     sections = [
         ("env", env_section, args.dry_run),
         ("bandwidth", bandwidth_section, args.dry_run),
         ("tests", tests_section, args.dry_run),
         ("equivalence", equivalence_section, args.dry_run),
         ("fits", fits_section, args.dry_run),
-        (
-            "big",
-            big_section,
-            args.dry_run,
-            args.config,
-            args.gpu_mem,
-            args.batch,
-            args.steps,
-            args.overrides,
-        ),  # fmt: skip
-        (
-            "deepspeed",
-            deepspeed_section,
-            args.dry_run,
-            args.config,
-            args.gpu_mem,
-            args.batch,
-            args.steps,
-            args.overrides,
-        ),  # fmt: skip
+        ("big", big_section, args.dry_run, *model_args),
+        ("deepspeed", deepspeed_section, args.dry_run, *model_args),
     ]
     failed = []
     for name, fn, *fargs in sections:
