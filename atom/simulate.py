@@ -129,7 +129,7 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
 
     path = Path(spec)
     if spec == "measured":
-        from atom.train import resolve_device
+        from atom.device import resolve_device
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype))

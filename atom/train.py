@@ -22,36 +22,9 @@ from tqdm import tqdm
 from atom.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from atom.config import Config, ConfigError
 from atom.data import TokenData, check_vocab, default_corpus
+from atom.device import resolve_device
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
-    """auto: CUDA when present; bf16 where the GPU has it, fp16 (with loss scaling) where it
-    does not (RTX 20-series), fp32 on CPU."""
-    want = cfg.train.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(
-            "train.device is cuda but no CUDA device is visible; use --set "
-            "train.device=cpu or install a CUDA build of torch"
-        )
-    device = torch.device(want)
-    if device.type == "cuda" and device.index is None:
-        # an index everywhere: torch.cuda.set_device and per-device stats refuse a bare "cuda"
-        device = torch.device("cuda", torch.cuda.current_device())
-    if cfg.train.dtype != "auto":
-        dtype = DTYPES[cfg.train.dtype]
-    elif device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    else:
-        dtype = torch.float32
-    if device.type == "cpu" and dtype == torch.float16:
-        raise ConfigError("train.dtype=fp16 is for GPUs without bf16; use fp32 or bf16 on CPU")
-    return device, dtype
 
 
 # Host bytes per parameter the swap engine keeps: fp32 master + fp32 grad + two fp32 Adam

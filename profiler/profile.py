@@ -9,13 +9,12 @@ import torch
 from tqdm import tqdm
 
 from atom.config import Config, ConfigError, replace
+from atom.device import DTYPES
 from profiler import hardware, timing
 from profiler.analysis import ModelAnalysis
 from profiler.planner import Plan, Scored, choose, make_plan, search
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _stated_dtype(hw: hardware.HardwareSpec, cfg: Config) -> torch.dtype:
@@ -49,7 +48,7 @@ def run_profile(
         def times_for(mb: int, a: ModelAnalysis):
             return timing.estimate_pieces(a, mb, hw)
     else:
-        from atom.train import resolve_device
+        from atom.device import resolve_device
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype), refresh)

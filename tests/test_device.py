@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from atom.train import resolve_device
+from atom.device import resolve_device
 from tests.conftest import tiny_config
 
 

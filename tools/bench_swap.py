@@ -47,8 +47,9 @@ import psutil
 import torch
 
 from atom.config import Config, load_config, replace
+from atom.device import resolve_device
 from atom.sizes import parse_bytes
-from atom.train import build_engine, resolve_device
+from atom.train import build_engine
 
 log = logging.getLogger("bench_swap")
 

@@ -224,9 +224,10 @@ def equivalence_section(dry: bool) -> dict:
     swapped training tracks fp32 resident."""
     import torch
 
+    from atom.device import resolve_device
     from atom.optim import lr_at
     from atom.resident import ResidentEngine
-    from atom.train import build_engine, resolve_device
+    from atom.train import build_engine
 
     device = "cpu" if dry else "cuda"
     if not dry:
@@ -296,8 +297,9 @@ def fits_section(dry: bool) -> dict:
     import torch
 
     from atom.config import Config
+    from atom.device import resolve_device
     from atom.resident import ResidentEngine
-    from atom.train import build_engine, resolve_device
+    from atom.train import build_engine
 
     if dry:
         model = {"n_layer": 2, "n_head": 2, "d_model": 64, "seq_len": 32, "vocab_size": 256}

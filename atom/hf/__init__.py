@@ -19,10 +19,10 @@ transformers is never imported; nothing touches the network. Import from here
 
 from __future__ import annotations
 
+from atom.device import DTYPES
 from atom.hf.export import ExportSummary, export_hf
 from atom.hf.source import (
     DEFAULT_MAX_SEQ,
-    DTYPES,
     FAMILIES,
     PREFIX,
     HFSource,

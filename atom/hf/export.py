@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from atom.config import Config, ConfigError, ModelConfig
-from atom.hf.source import _HF_DTYPES, DTYPES, HFSource, name_map
+from atom.device import DTYPES
+from atom.hf.source import _HF_DTYPES, HFSource, name_map
 from atom.hf.text import TOKENIZER_FILES
 from atom.sizes import parse_bytes
 

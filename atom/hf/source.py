@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 PREFIX = "hf:"
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 DEFAULT_MAX_SEQ = 2048  # default seq_len when the checkpoint allows longer: memory grows with T
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _ST_DTYPES = ("F32", "F16", "BF16", "F64")
 # Keys that fix the shape of the weights: they must agree with the checkpoint.
