@@ -38,6 +38,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atom")
+    except PackageNotFoundError:  # run from a checkout that was not pip-installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atom",
@@ -45,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "units of layers through it.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"atom {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (default: tiny GPT on a built-in corpus)")
@@ -58,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     t.add_argument(
         "--out",
-        default="runs/default",
-        help="run directory: metrics.jsonl, checkpoints/ (default: runs/default)",
+        default=None,
+        help="run directory: metrics.jsonl, checkpoints/ (default: runs/default, or with "
+        "--resume the run being resumed); a new run refuses a directory holding another",
     )
     t.add_argument(
         "--resident",
@@ -160,6 +171,34 @@ def _terminate_like_ctrl_c(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def _holds_run(directory: Path) -> bool:
+    return (directory / "metrics.jsonl").exists() or any((directory / "checkpoints").glob("step_*"))
+
+
+def _run_directory(args) -> Path:
+    """A run directory belongs to one run: --resume continues in the resumed run's
+    directory (unless --out names a fresh one), and a new run never writes into a
+    directory that holds another (its metrics and checkpoints would be mixed)."""
+    if args.resume:
+        resumed = Path(args.resume)
+        if resumed.name.startswith("step_") and resumed.parent.name == "checkpoints":
+            resumed = resumed.parent.parent  # a checkpoint inside a run directory
+        out = Path(args.out) if args.out else resumed
+        if out.resolve() != resumed.resolve() and _holds_run(out):
+            raise ConfigError(
+                f"{out} holds another run; resume into {resumed} (leave out --out) or "
+                "give a new --out"
+            )
+        return out
+    out = Path(args.out or "runs/default")
+    if _holds_run(out):
+        raise ConfigError(
+            f"{out} already holds a run (metrics.jsonl, checkpoints/); continue it with "
+            f"--resume {out}, or start a new one with another --out"
+        )
+    return out
+
+
 def cmd_train(args) -> int:
     from atom.train import Trainer, host_bytes_needed
 
@@ -183,9 +222,10 @@ def cmd_train(args) -> int:
             "this machine",
             flush=True,
         )
+    out = _run_directory(args)
     trainer = Trainer(
         cfg,
-        Path(args.out),
+        out,
         resident=args.resident,
         resume=Path(args.resume) if args.resume else None,
         progress=not args.no_progress and sys.stderr.isatty(),
@@ -215,7 +255,7 @@ def cmd_train(args) -> int:
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
-        print("atom: interrupted; checkpoint saved in " + str(Path(args.out) / "checkpoints"))
+        print("atom: interrupted; checkpoint saved in " + str(out / "checkpoints"))
         return 130
     finally:
         if main_thread:
@@ -236,7 +276,7 @@ def cmd_train(args) -> int:
             f"{summary.device_peak_bytes / 2**20:.1f} MiB "
             f"({summary.device_peak_bytes / max(pred['peak_device_bytes'], 1):.2f}x)"
         )
-    print(f"atom: checkpoint {summary.checkpoint}; metrics {Path(args.out) / 'metrics.jsonl'}")
+    print(f"atom: checkpoint {summary.checkpoint}; metrics {out / 'metrics.jsonl'}")
     return 0
 
 
@@ -314,6 +354,11 @@ def cmd_export(args) -> int:
 
 def cmd_generate(args) -> int:
     from atom.generate import generate
+
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.temperature < 0 or args.top_k < 0:
+        raise ConfigError("--temperature and --top-k must be >= 0 (0: greedy / no top-k cut)")
 
     print(
         generate(Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed)

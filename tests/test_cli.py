@@ -225,3 +225,43 @@ def test_ctrl_c_before_training_is_one_line_exit_130(monkeypatch, capsys):
     code, out, err = run_cli(capsys, "profile")
     assert code == 130
     assert err.strip() == "atom profile: interrupted"
+
+
+def test_resume_without_out_continues_in_the_resumed_run(run_dir, capsys, tmp_path, monkeypatch):
+    """`--resume runs/a` (no --out) used to write into runs/default; it continues runs/a."""
+    monkeypatch.chdir(tmp_path)  # where runs/default would land
+    sets = ["--set", "model.n_layer=2", "--set", "model.seq_len=32",
+            "--set", f"train.data={_data_of(run_dir)}"]  # fmt: skip
+    code, _, _ = run_cli(
+        capsys, "train", "--resume", str(run_dir), "--max-steps", "3", "--no-progress", *sets
+    )
+    assert code == 0
+    steps = [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3]
+    assert not (tmp_path / "runs").exists()
+
+
+def _data_of(run_dir):
+    return json.loads((run_dir / "config.json").read_text())["train"]["data"]
+
+
+def test_a_new_run_refuses_a_directory_holding_another(run_dir, capsys):
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    code, _, err = run_cli(capsys, "train", "--out", str(run_dir), "--max-steps", "1",
+                           "--set", "model.n_layer=3", "--no-progress",
+                           "--set", f"train.data={_data_of(run_dir)}")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "already holds a run" in err and f"--resume {run_dir}" in err
+    assert (run_dir / "metrics.jsonl").read_bytes() == before  # nothing truncated
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ckpts
+
+
+def test_version_and_bad_generate_arguments(run_dir, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("atom ")
+    code, _, err = run_cli(capsys, "generate", str(run_dir), "--tokens", "-3")
+    assert code == 2 and "--tokens" in err and len(err.strip().splitlines()) == 1
