@@ -29,6 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from atom.errors import CheckpointError  # noqa: F401  (re-exported: callers import it from here too)
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -47,10 +49,6 @@ _MAX_STEP = 99_999_999  # step_{:08d} must stay 8 digits or list_checkpoints wou
 _HASH_CHUNK = 8 << 20
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-
-
-class CheckpointError(Exception):
-    """A checkpoint is missing or unusable; the message names the path, the problem and the fix."""
 
 
 # ----------------------------------------------------------------------------- writing

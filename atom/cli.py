@@ -14,12 +14,11 @@ import threading
 from pathlib import Path
 
 from atom import simulate as simulate_command
-from atom.checkpoint import CheckpointError
-from atom.config import ConfigError, load_config
-from atom.data import DataError
+from atom.config import load_config
+from atom.errors import AtomError, ConfigError, DataError
 from atom.gossip import commands as gossip_commands
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (AtomError,)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -16,13 +16,10 @@ from typing import Any
 
 import yaml
 
+from atom.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here too)
 from atom.gossip.settings import GossipConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(Exception):
-    """A user-caused configuration problem; the message is one line naming the fix."""
 
 
 @dataclass

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from atom.errors import DataError  # noqa: F401  (re-exported: callers import it from here too)
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # .jsonl: one record per line (atom/hf/)
@@ -31,10 +33,6 @@ VAL_NAME = "val.bin"
 _TOKENIZERS_PREFIX = "tokenizers:"
 # Second entropy word of the RNG seed: keeps train and val streams disjoint for the same seed.
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
-
-
-class DataError(Exception):
-    """A user-caused data problem; the message is one line naming the problem and the fix."""
 
 
 @dataclass

@@ -22,8 +22,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from atom.config import Config, ConfigError, load_config, replace
 from atom.sizes import parse_bytes
 
@@ -148,6 +146,8 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
     elif path.suffix == ".json" and path.exists() and "pieces" in json.loads(path.read_text()):
         data = json.loads(path.read_text())
         hw = hardware.HardwareSpec.from_dict(data["hardware"])
+        import torch  # here, not at the top: `atom --help` and `atom peers` never need it
+
         dtype = torch.float32 if hw.device == "cpu" else _stated_dtype(hw, cfg)
         table = {int(k): PieceTimes(**v) for k, v in data["pieces"].items()}
         label = f"{hw.name} ({path.name})"

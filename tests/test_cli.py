@@ -265,3 +265,11 @@ def test_version_and_bad_generate_arguments(run_dir, capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("atom ")
     code, _, err = run_cli(capsys, "generate", str(run_dir), "--tokens", "-3")
     assert code == 2 and "--tokens" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_command_line_starts_without_torch():
+    """`atom peers`, `atom keygen` and `--help` need no model: importing the CLI must not
+    import torch (it took 2.5-6 s before `atom peers` could print a table)."""
+    probe = "import sys, atom.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
