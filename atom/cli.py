@@ -14,9 +14,9 @@ import threading
 from pathlib import Path
 
 from atom import simulate as simulate_command
-from atom.config import load_config
 from atom.errors import AtomError, ConfigError, DataError
 from atom.gossip import commands as gossip_commands
+from atom.run_config import load_run_config
 
 USER_ERRORS = (AtomError,)
 
@@ -202,7 +202,7 @@ def cmd_train(args) -> int:
     from atom.train import Trainer, host_bytes_needed
 
     overrides = args.overrides + gossip_commands.train_overrides(args)
-    cfg = load_config(args.config, overrides, model=args.model)
+    cfg = load_run_config(args.config, overrides, model=args.model)
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise ConfigError("--max-steps must be >= 1")
@@ -284,7 +284,7 @@ def cmd_profile(args) -> int:
     from profiler.planner import Infeasible, format_table
     from profiler.profile import run_profile
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     host_mem = parse_bytes(args.host_mem) if args.host_mem else None
     try:

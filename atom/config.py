@@ -314,37 +314,40 @@ def resolve_config_path(name_or_path: str) -> Path:
     )
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, model: str | None = None
-) -> Config:
-    """`model` (atom train --model PATH) replaces the model section with hf:PATH."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        file = resolve_config_path(str(path))
-        try:
-            data = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{file} is not valid YAML{where}; fix the syntax") from None
-        except OSError as err:
-            raise ConfigError(f"cannot read config {file}: {err.strerror}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{file} must be a mapping of sections (model:, train:, swap:)")
-    if model is not None:
-        data["model"] = model if model.startswith("hf:") else f"hf:{model}"
-    section = data.get("model")
-    if isinstance(section, str) or (isinstance(section, dict) and section.get("init_from")):
-        from atom.hf import expand_model_section  # a Hugging Face checkpoint's config.json
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file (or a name in configs/) as a mapping of sections."""
+    file = resolve_config_path(str(path))
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{file} is not valid YAML{where}; fix the syntax") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config {file}: {err.strerror}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} must be a mapping of sections (model:, train:, swap:)")
+    return data
 
-        data["model"] = expand_model_section(section)
-    data = apply_overrides(data, overrides or [])
-    cfg = Config.from_dict(data)
-    if cfg.model.init_from:
-        from atom.hf import check_config
 
-        check_config(cfg)
-    return cfg
+def names_hf_model(section: Any) -> bool:
+    """`model: hf:PATH`, or a model mapping with init_from: a Hugging Face checkpoint whose
+    config.json fills the section (atom.run_config expands it, above this floor)."""
+    return isinstance(section, str) or (
+        isinstance(section, dict) and bool(section.get("init_from"))
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """A config from a file (or configs/ name) and --set overrides. One that names a Hugging
+    Face model is refused here: atom.run_config.load_run_config reads that checkpoint."""
+    data = read_config_file(path) if path is not None else {}
+    if names_hf_model(data.get("model")):
+        raise ConfigError(
+            f"{path} names a Hugging Face model; load it with atom.run_config.load_run_config "
+            "(as atom train and atom profile do)"
+        )
+    return Config.from_dict(apply_overrides(data, overrides or []))
 
 
 def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
@@ -363,6 +366,8 @@ __all__ = [
     "SwapConfig",
     "TrainConfig",
     "apply_overrides",
+    "names_hf_model",
+    "read_config_file",
     "load_config",
     "replace",
 ]

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from atom.errors import DataError  # noqa: F401  (re-exported: callers import it from here too)
+from atom.text import eos_token_id, jsonl_chunks, tokenizer_file
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,6 @@ def _load_tokenizer(spec: str) -> _Tokenizer:
     if spec == "byte":
         return _byte_tokenizer()
     if Path(spec).expanduser().is_dir():  # a Hugging Face checkpoint directory
-        from atom.hf import tokenizer_file
-
         spec = str(tokenizer_file(Path(spec).expanduser()))
     if spec.startswith(_TOKENIZERS_PREFIX):
         path_str = spec[len(_TOKENIZERS_PREFIX) :]
@@ -140,8 +139,6 @@ def _load_tokenizer(spec: str) -> _Tokenizer:
             text = data.decode("utf-8", errors="replace")
         ids = tok.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=dtype)
-
-    from atom.hf import eos_token_id
 
     return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok))
 
@@ -242,8 +239,6 @@ def prepare(
     def chunks() -> Iterator[np.ndarray]:
         for path in tqdm(files, desc="tokenizing", unit="file", disable=not progress):
             if path.suffix == ".jsonl":  # text / instruction / chat records
-                from atom.hf import jsonl_chunks
-
                 yield from jsonl_chunks(path, tok)
                 continue
             yield tok.encode(path.read_bytes(), path)

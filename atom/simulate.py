@@ -22,7 +22,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from atom.config import Config, ConfigError, load_config, replace
+from atom.config import Config, ConfigError, replace
+from atom.run_config import load_run_config
 from atom.sizes import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     host_mem = parse_bytes(args.host_mem) if args.host_mem else None
     rows = []
     for name in args.config:
-        cfg = load_config(name, args.overrides)
+        cfg = load_run_config(name, args.overrides)
         batch = args.batch or cfg.train.micro_batch * cfg.train.grad_accum
         chunks = _chunks(args.peers, batch, args.chunks)
         from atom.gossip.codecs import get_codec

@@ -19,7 +19,7 @@ import math
 import re
 from decimal import Decimal
 
-from atom.config import ConfigError
+from atom.errors import ConfigError
 
 _SCALE = {
     "": 1,

@@ -82,3 +82,14 @@ def test_bad_yaml_and_missing_file(tmp_path):
     unknown.write_text("model: {n_layers: 2}\n")
     with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
         load_config(unknown)
+
+
+def test_the_ground_floor_config_loader_leaves_hugging_face_to_the_run_loader(tmp_path):
+    """atom.config knows nothing of Hugging Face (no import upward): a file naming a
+    checkpoint is refused there in one line, and atom.run_config is what reads it."""
+    from atom.config import ConfigError, load_config
+
+    path = tmp_path / "ft.yaml"
+    path.write_text("model: hf:/no/such/checkpoint\n")
+    with pytest.raises(ConfigError, match="load_run_config"):
+        load_config(path)

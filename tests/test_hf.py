@@ -28,10 +28,10 @@ pytest.importorskip("tokenizers")
 
 from atom.checkpoint import load_checkpoint  # noqa: E402
 from atom.cli import main  # noqa: E402
-from atom.config import load_config  # noqa: E402
 from atom.data import TokenData, prepare  # noqa: E402
 from atom.hf import HFSource, model_bytes  # noqa: E402
 from atom.model import build_model, materialize  # noqa: E402
+from atom.run_config import load_run_config  # noqa: E402
 from atom.train import Trainer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -189,7 +189,7 @@ TRAIN = [
 def test_load_train_export_roundtrip(tmp_path, tok_dir, hf_data, family, dtype, capsys):
     src = save_hf(family, tmp_path / "src", tok_dir, dtype=dtype)
     assert len(list(src.glob("model-*.safetensors"))) >= 2  # sharded, with an index
-    cfg = load_config(None, [*TRAIN, f"train.data={hf_data}"], model=str(src))
+    cfg = load_run_config(None, [*TRAIN, f"train.data={hf_data}"], model=str(src))
     assert cfg.model.init_from == str(src.resolve())
 
     # 1. loaded weights give transformers' logits
@@ -247,12 +247,12 @@ PEAK_RAM_SCRIPT = textwrap.dedent(
     """
     import json, resource, sys, threading, time
     import psutil, torch
-    from atom.config import load_config
+    from atom.run_config import load_run_config
     from atom.hf import load_weights, model_bytes
     from atom.swap.backend import CpuBackend
     from atom.swap.engine import SwapEngine
 
-    cfg = load_config(None, ["train.device=cpu", "train.dtype=fp32"], model=sys.argv[1])
+    cfg = load_run_config(None, ["train.device=cpu", "train.dtype=fp32"], model=sys.argv[1])
     engine = SwapEngine(cfg, CpuBackend(), torch.float32, init=False)  # buffers not yet touched
     proc = psutil.Process()
     base = proc.memory_info().rss
@@ -319,7 +319,7 @@ def test_peak_host_ram_while_loading_is_one_copy(tmp_path, tok_dir):
     print(f"model {result['model'] / 2**20:.1f} MiB, RSS growth while loading {ratio:.2f}x")
     assert 0.8 < ratio < 1.5
     assert result["growth"] < result["model"] + result["largest"] + 4 * 2**20
-    assert result["model"] == model_bytes(load_config(None, [], model=str(src)).model)
+    assert result["model"] == model_bytes(load_run_config(None, [], model=str(src)).model)
 
 
 def edit_config(path: Path, **changes) -> Path:
@@ -372,13 +372,13 @@ def test_config_file_with_hf_model_and_override(tmp_path, tok_dir, hf_data):
     src = save_hf("qwen2", tmp_path / "src", tok_dir)
     (tmp_path / "a.yaml").write_text(f"model: hf:{src}\n")
     (tmp_path / "b.yaml").write_text(f"model:\n  init_from: {src}\n  seq_len: 16\n")
-    a = load_config(tmp_path / "a.yaml")
-    b = load_config(tmp_path / "b.yaml")
+    a = load_run_config(tmp_path / "a.yaml")
+    b = load_run_config(tmp_path / "b.yaml")
     assert a.model.seq_len == 64 and a.model.qkv_bias and a.model.tied
     assert b.model.seq_len == 16 and b.model.init_from == a.model.init_from
     # the run's saved config (a JSON mapping with init_from) loads back the same
     (tmp_path / "c.json").write_text(json.dumps(b.to_dict()))
-    assert load_config(tmp_path / "c.json") == b
+    assert load_run_config(tmp_path / "c.json") == b
 
 
 def test_jsonl_records_and_chat_template(tmp_path, tok_dir):
@@ -431,7 +431,7 @@ def test_export_model_trained_from_scratch(tmp_path, text_dataset, arch):
         "train.dtype=fp32",
         f"train.data={text_dataset}",
     ]
-    cfg = load_config(None, overrides)
+    cfg = load_run_config(None, overrides)
     Trainer(cfg, tmp_path / "run", progress=False).run()
     out = tmp_path / "export"
     assert main(["export", str(tmp_path / "run"), "--hf", str(out)]) == 0

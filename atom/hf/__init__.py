@@ -10,8 +10,8 @@ Out (:mod:`atom.hf.export`): ``atom export RUN_DIR --hf OUT`` writes config.json
 shards with an index and the tokenizer files, in the source checkpoint's dtype (or the one
 asked for).
 
-Text (:mod:`atom.hf.text`): JSONL records (text, instruction, chat) for ``atom prepare`` and
-the tokenizer of a checkpoint directory.
+Text (:mod:`atom.text`, re-exported here): JSONL records (text, instruction, chat) for
+``atom prepare`` and the tokenizer of a checkpoint directory.
 
 transformers is never imported; nothing touches the network. Import from here
 (``from atom.hf import export_hf``); the submodules are an internal layout.
@@ -33,7 +33,7 @@ from atom.hf.source import (
     model_bytes,
     name_map,
 )
-from atom.hf.text import (
+from atom.text import (
     TOKENIZER_FILES,
     eos_token_id,
     jsonl_chunks,

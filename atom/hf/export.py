@@ -22,8 +22,8 @@ import torch
 from atom.config import Config, ConfigError, ModelConfig
 from atom.device import DTYPES
 from atom.hf.source import _HF_DTYPES, HFSource, name_map
-from atom.hf.text import TOKENIZER_FILES
 from atom.sizes import parse_bytes
+from atom.text import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 

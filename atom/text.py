@@ -1,4 +1,7 @@
-"""Text for fine-tuning: a checkpoint directory's tokenizer, and JSONL records.
+"""Text for training and fine-tuning: a checkpoint directory's tokenizer, and JSONL records.
+
+Below both atom.data (which prepares datasets with it) and atom.hf (which exports the
+tokenizer files), so neither reaches into the other.
 
 ``atom prepare --tokenizer DIR`` reads DIR/tokenizer.json; records of ``.jsonl`` files
 (``{"text"}``, chat ``{"messages"}`` through the checkpoint's chat template, Alpaca
@@ -14,6 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from atom.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +39,6 @@ TOKENIZER_FILES = (
 
 def tokenizer_file(directory: Path) -> Path:
     """A checkpoint directory's tokenizer.json (for `atom prepare --tokenizer DIR`)."""
-    from atom.data import DataError
-
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         hint = ""
@@ -162,8 +165,6 @@ def jsonl_chunks(path: Path, tok) -> Iterator:
     """Token arrays for the records of one JSONL file, each followed by the tokenizer's
     end-of-text token (or a blank line where there is none)."""
     import numpy as np
-
-    from atom.data import DataError
 
     tokenizer_json = (
         Path(tok.name.removeprefix("tokenizers:")) if tok.name.startswith("tokenizers:") else None
