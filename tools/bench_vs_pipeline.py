@@ -47,33 +47,17 @@ import sys
 import time
 from pathlib import Path
 
+from tools.baselines.settings import ATOM_ONLY, MODEL, TRAIN, overrides
 from tools.cpuload import ForeignLoad, wait_quiet
 from tools.jsonl import read_records
 
 log = logging.getLogger("bench_vs_pipeline")
 
 SYSTEMS = ("ddp", "pipeline", "atom")
-MODEL = {
-    "model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.seq_len": 64,
-    "model.tie_embeddings": "false", "model.vocab_size": 256,
-}  # fmt: skip
-TRAIN = {
-    "train.micro_batch": 8, "train.lr": 1e-3, "train.min_lr": 1e-3, "train.warmup_steps": 10,
-    "train.grad_clip": 1.0, "train.device": "cpu", "train.dtype": "fp32",
-}  # fmt: skip
-ATOM_ONLY = {
-    "swap.checkpoint": "false", "train.eval_interval": 0, "train.keep_checkpoints": 10000,
-    "gossip.wait_peers": 3, "gossip.join_timeout_s": 120, "gossip.heartbeat_s": 1.0,
-    "gossip.dead_after_s": 20, "gossip.timeout_s": 60,
-}  # fmt: skip
 
 
 def sets(d: dict) -> list[str]:
     return [a for k, v in d.items() for a in ("--set", f"{k}={v}")]
-
-
-def overrides() -> list[str]:
-    return [f"{k}={v}" for k, v in {**MODEL, **TRAIN}.items()]
 
 
 def child_env() -> dict[str, str]:

@@ -41,7 +41,7 @@ class Evaluator:
         from atom.config import load_config
         from atom.data import TokenData
         from atom.model import build_model, materialize
-        from tools.bench_vs_pipeline import overrides
+        from tools.baselines.settings import overrides
 
         torch.set_flush_denormal(True)
         self.cfg = load_config(None, overrides())

@@ -32,7 +32,7 @@ def predictions(work: Path, profile: dict, rates: list[float], peers: int, chunk
     from profiler.hardware import HardwareSpec
     from profiler.simulate import Links, Machine, Workload, simulate
     from profiler.timing import PieceTimes
-    from tools.bench_vs_pipeline import ATOM_ONLY, overrides
+    from tools.baselines.settings import ATOM_ONLY, overrides
 
     cfg = load_config(None, overrides() + [f"swap.checkpoint={ATOM_ONLY['swap.checkpoint']}"])
     hw = HardwareSpec.from_dict(profile["hardware"])

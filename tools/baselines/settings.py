@@ -1,0 +1,22 @@
+"""The shared settings of tools/bench_vs_pipeline.py's runs (model, training, atom-only
+keys), read by the runner and by the report, so neither imports the other."""
+
+from __future__ import annotations
+
+MODEL = {
+    "model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.seq_len": 64,
+    "model.tie_embeddings": "false", "model.vocab_size": 256,
+}  # fmt: skip
+TRAIN = {
+    "train.micro_batch": 8, "train.lr": 1e-3, "train.min_lr": 1e-3, "train.warmup_steps": 10,
+    "train.grad_clip": 1.0, "train.device": "cpu", "train.dtype": "fp32",
+}  # fmt: skip
+ATOM_ONLY = {
+    "swap.checkpoint": "false", "train.eval_interval": 0, "train.keep_checkpoints": 10000,
+    "gossip.wait_peers": 3, "gossip.join_timeout_s": 120, "gossip.heartbeat_s": 1.0,
+    "gossip.dead_after_s": 20, "gossip.timeout_s": 60,
+}  # fmt: skip
+
+
+def overrides() -> list[str]:
+    return [f"{k}={v}" for k, v in {**MODEL, **TRAIN}.items()]
