@@ -213,7 +213,8 @@ def cmd_train(args) -> int:
 
         plan = Plan.load(Path(args.plan))
         cfg = plan.apply(cfg)
-    elif not args.resident:
+    out = _run_directory(args)
+    if plan is None and not args.resident:
         print(
             "atom: no --plan: using the config's swap settings "
             f"(layers_per_unit {cfg.swap.layers_per_unit}, prefetch {cfg.swap.prefetch}, "
@@ -221,7 +222,6 @@ def cmd_train(args) -> int:
             "this machine",
             flush=True,
         )
-    out = _run_directory(args)
     trainer = Trainer(
         cfg,
         out,
