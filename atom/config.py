@@ -152,8 +152,16 @@ class SwapConfig:
     # head): loaded once per step instead of once per micro-batch pass. For micro-batch-
     # major plans with device memory to spare; slots = prefetch + 1 + resident_units.
     resident_units: int = 0
+    # Host state per parameter. "fp32": fp32 master, gradient and Adam moments (16 bytes,
+    # plus the compute-dtype copy for the bus); training equals plain PyTorch. "compact":
+    # bf16 master with Kahan compensation, bf16 gradient, 8-bit block-scaled moments (8
+    # bytes, and the master doubles as the bf16 bus copy): for models whose fp32 state does
+    # not fit host RAM (atom/compact_adamw.py). `atom profile` picks it when fp32 does not fit.
+    state: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.state not in ("fp32", "compact"):
+            raise ValueError(f"swap.state must be fp32|compact, got {self.state!r}")
         if self.resident_units < 0:
             raise ValueError(f"swap.resident_units must be >= 0, got {self.resident_units}")
         if self.order not in ("unit", "micro"):
@@ -199,6 +207,11 @@ class Config:
             raise ValueError(
                 f"swap.prefetch ({self.swap.prefetch}) is larger than the number of units "
                 f"after the first ({self.n_units() - 1}); lower it"
+            )
+        if self.swap.state == "compact" and self.train.optimizer == "deepspeed":
+            raise ValueError(
+                "swap.state=compact runs its own 8-bit AdamW; use train.optimizer=adamw with "
+                "it (or swap.state=fp32 for DeepSpeedCPUAdam)"
             )
         return self
 

@@ -245,7 +245,7 @@ def test_deepspeed_cpu_adam_matches_torch_adamw():
         params = engine.named_parameters()
         for name, p in ref.items():
             assert rel_err(params[name], p) < 1e-4, name
-        assert type(engine.optimizers[0]).__name__ == "DeepSpeedCPUAdam"
+        assert type(engine.optimizers[0].opt).__name__ == "DeepSpeedCPUAdam"
     finally:
         engine.close()
 

@@ -47,18 +47,18 @@ class UnitParams:
     def snapshot(self, unit: int) -> torch.Tensor:
         buf = self.buffers[unit]
         with buf.lock:
-            return buf.master.clone()
+            return self.store.read_master(unit)
 
     def add(self, unit: int, delta: torch.Tensor) -> None:
         buf = self.buffers[unit]
         with buf.lock:
-            buf.master.add_(delta)
+            self.store.add_master(unit, delta)
             self.store.refresh_compute(unit)
 
     def load(self, unit: int, values: torch.Tensor) -> None:
         buf = self.buffers[unit]
         with buf.lock:
-            buf.master.copy_(values)
+            self.store.write_master(unit, values)
             self.store.refresh_compute(unit)
 
 

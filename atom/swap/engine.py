@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atom.compact_adamw import ChunkScratch, CompactAdamW
 from atom.config import Config
 from atom.model import build_model
-from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
+from atom.optim import STATE_KEYS, TorchUnitOptimizer
 from atom.swap.backend import Backend
 from atom.swap.host_store import HostStore
 from atom.swap.host_worker import HostWorker
@@ -40,6 +41,13 @@ from atom.swap.slots import DeviceSlots
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 
 log = logging.getLogger(__name__)
+
+
+def _sq_norm(t: torch.Tensor) -> float:
+    """Squared L2 norm, accumulated in fp32 whatever t's dtype."""
+    if t.dtype == torch.float32:
+        return float(torch.dot(t, t))
+    return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
 
 
 @dataclass
@@ -115,7 +123,7 @@ class SwapEngine:
         self.dtype = compute_dtype
         self.model = build_model(cfg.model, device="meta")
         self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
-        self.store = HostStore(self.units, backend, compute_dtype)
+        self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state)
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)
@@ -124,9 +132,7 @@ class SwapEngine:
         self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1 + n_res, largest, compute_dtype)
         self.ledger = MemoryLedger(self.slots.nbytes)
-        self.optimizers = [
-            self._make_optimizer(b.master, b.grad, b.spec) for b in self.store.buffers
-        ]
+        self.optimizers = self._make_optimizers()
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self._set_update_mode(cfg.swap.update)
         self._eager_coef = 1.0  # eager: the clip coefficient from the previous step's norm
@@ -171,12 +177,15 @@ class SwapEngine:
             self._set_update_mode(update)
             self._norm_sq = [0.0] * len(self.units)
 
-    def _make_optimizer(self, master, grad, spec: UnitSpec) -> torch.optim.Optimizer:
-        decay, no_decay = master[: spec.n_decay], master[spec.n_decay : spec.n_owned]
-        decay.grad, no_decay.grad = grad[: spec.n_decay], grad[spec.n_decay : spec.n_owned]
-        return make_optimizer(
-            [decay] if decay.numel() else [], [no_decay] if no_decay.numel() else [], self.cfg.train
-        )
+    def _make_optimizers(self) -> list[TorchUnitOptimizer | CompactAdamW]:
+        """One host optimizer per unit, over its flat master (decayed parameters first)."""
+        train, bufs = self.cfg.train, self.store.buffers
+        if not self.store.compact:
+            return [TorchUnitOptimizer(b.master, b.grad, b.spec.n_decay, train) for b in bufs]
+        scratch = ChunkScratch(max(b.spec.n_owned for b in bufs))
+        return [
+            CompactAdamW(b.master, b.comp, b.grad, b.spec.n_decay, train, scratch) for b in bufs
+        ]
 
     def _unblock_all(self) -> None:
         for buf in self.store.buffers:
@@ -403,11 +412,11 @@ class SwapEngine:
                 dst, src = self._grad_views[u], host
             if first:
                 torch._foreach_copy_(dst, src)
-            elif src[0].dtype == torch.float32:
+            elif src[0].dtype == dst[0].dtype:
                 torch._foreach_add_(dst, src)
             else:
                 # torch's mixed-dtype add (bf16 into fp32) measured ~4x slower than a
-                # conversion into fp32 scratch followed by an fp32 add
+                # conversion into fp32 scratch followed by an add
                 scratch = self._host_scratch(u, flat=len(src) == 1)
                 torch._foreach_copy_(scratch, src)
                 torch._foreach_add_(dst, scratch)
@@ -419,11 +428,9 @@ class SwapEngine:
             if inv_scale != 1.0:
                 buf.grad.mul_(inv_scale)
             if self.deferred:
-                owned = buf.grad[: buf.spec.n_owned]
-                self._norm_sq[u] = float(torch.dot(owned, owned))
+                self._norm_sq[u] = _sq_norm(buf.grad[: buf.spec.n_owned])
             elif self.eager:
-                owned = buf.grad[: buf.spec.n_owned]
-                self._norm_sq[u] = float(torch.dot(owned, owned))
+                self._norm_sq[u] = _sq_norm(buf.grad[: buf.spec.n_owned])
                 if math.isfinite(self._norm_sq[u]):
                     self._update(u, self._eager_coef, lr)
                 else:  # never apply a non-finite gradient; the rest of the step goes on
@@ -447,12 +454,8 @@ class SwapEngine:
 
     def _update(self, u: int, coef: float, lr: float) -> None:
         buf = self.store.buffers[u]
-        opt = self.optimizers[u]
-        set_lr(opt, lr)
         with buf.lock:
-            if coef != 1.0:
-                buf.grad[: buf.spec.n_owned].mul_(coef)
-            opt.step()
+            self.optimizers[u].step(lr, coef)
             self.store.refresh_compute(u)
         buf.ready.set()
 
@@ -533,12 +536,12 @@ class SwapEngine:
     def state_files(self):
         """(stem, tensors) per unit for checkpoint.save_checkpoint: weights, optimizer."""
         self.wait_idle()
-        for buf, opt in zip(self.store.buffers, self.optimizers, strict=True):
+        for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
             # One consistent snapshot per unit: peers may merge into master between steps,
             # under this lock, so copy weights and state while holding it (one unit of RAM).
             with buf.lock:
-                master = buf.master.clone()
-                states = {key: self._state_flat(opt, buf, key) for key in ("exp_avg", "exp_avg_sq")}
+                master = self.store.read_master(u)
+                states = {key: opt.state_flat(key) for key in STATE_KEYS}
             tensors = dict(buf.spec.owned_views(master))
             for key, flat in states.items():
                 if flat is not None:
@@ -546,36 +549,28 @@ class SwapEngine:
                         tensors[f"optim.{key}.{name}"] = view
             yield f"unit_{buf.spec.index:03d}", tensors
 
-    def _state_flat(self, opt, buf, key: str) -> torch.Tensor | None:
-        parts = [opt.state[p][key] for g in opt.param_groups for p in g["params"] if p in opt.state]
-        if not parts:
-            return None
-        return torch.cat(parts)
-
     def optimizer_steps(self) -> int:
-        return optimizer_step_count(self.optimizers[0])
+        return self.optimizers[0].steps
 
     def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
         """Copy weights (and optimizer state) from a checkpoint, by model name."""
         self.wait_idle()
-        for buf, opt in zip(self.store.buffers, self.optimizers, strict=True):
+        for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
             with buf.lock:
-                for name, view in buf.spec.owned_views(buf.master).items():
-                    view.copy_(get(name))
+                self.store.write_master(u, self._gather(buf.spec, get, ""))
                 if has_optim:
-                    for group in opt.param_groups:
-                        for p in group["params"]:
-                            init_state(opt, p, steps)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        flat = torch.empty(buf.spec.n_owned)
-                        for name, view in buf.spec.owned_views(flat).items():
-                            view.copy_(get(f"optim.{key}.{name}"))
-                        offset = 0
-                        for group in opt.param_groups:
-                            for p in group["params"]:
-                                opt.state[p][key].copy_(flat[offset : offset + p.numel()])
-                                offset += p.numel()
+                    for key in STATE_KEYS:
+                        flat = self._gather(buf.spec, get, f"optim.{key}.")
+                        opt.load_state_flat(key, flat, steps)
         self.store.refresh_all()
+
+    @staticmethod
+    def _gather(spec: UnitSpec, get: Callable[[str], torch.Tensor], prefix: str) -> torch.Tensor:
+        """A unit's owned tensors from a checkpoint, flat fp32 in unit order."""
+        flat = torch.empty(spec.n_owned)
+        for name, view in spec.owned_views(flat).items():
+            view.copy_(get(prefix + name))
+        return flat
 
     def device_peak_bytes(self) -> int:
         return self.backend.peak_allocated() or self.ledger.peak

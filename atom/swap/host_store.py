@@ -1,10 +1,13 @@
 """HostStore: the whole model in host memory, one set of flat buffers per unit.
 
 Per unit:
-  master   fp32, owned params only: what the optimizer updates and checkpoints save
-  grad     fp32, owned + aliases: gradients land here (accumulated over micro-batches)
+  master   owned params only: what the optimizer updates and checkpoints save; fp32, or
+           bf16 with `comp` (swap.state: compact, atom/compact_adamw.py)
+  comp     compact only: bf16 Kahan compensation, master + comp is the weight's value
+  grad     owned + aliases: gradients land here (accumulated over micro-batches); fp32,
+           bf16 when compact
   compute  compute dtype, owned + aliases: the only thing that crosses the bus; pinned on
-           CUDA. When the compute dtype is fp32 and the unit has no aliases, it *is* master.
+           CUDA. When it has master's dtype and the unit has no aliases, it *is* master.
   ready    set when the host optimizer is done with the unit, so an H2D copy never reads
            a half-updated buffer
   lock     held while master is written (optimizer step, loading, peer averaging)
@@ -29,6 +32,7 @@ class UnitBuffers:
     master: torch.Tensor
     grad: torch.Tensor
     compute: torch.Tensor
+    comp: torch.Tensor | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -38,23 +42,32 @@ class UnitBuffers:
 
 
 class HostStore:
-    def __init__(self, units: list[UnitSpec], backend: Backend, compute_dtype: torch.dtype):
+    def __init__(
+        self,
+        units: list[UnitSpec],
+        backend: Backend,
+        compute_dtype: torch.dtype,
+        state: str = "fp32",
+    ):
         self.units = units
         self.compute_dtype = compute_dtype
+        self.compact = state == "compact"
+        self.master_dtype = torch.bfloat16 if self.compact else torch.float32
         self.buffers: list[UnitBuffers] = []
         # what crosses the bus, asked for at once: one pinned arena on CUDA. master is that
-        # buffer when it doubles as the compute copy (fp32, no tied aliases).
-        shares = [compute_dtype == torch.float32 and u.n_total == u.n_owned for u in units]
+        # buffer when it doubles as the compute copy (same dtype, no tied aliases).
+        shares = [compute_dtype == self.master_dtype and u.n_total == u.n_owned for u in units]
         bus = backend.alloc_host_many(
             [
-                (u.n_owned, torch.float32) if same else (u.n_total, compute_dtype)
+                (u.n_owned, self.master_dtype) if same else (u.n_total, compute_dtype)
                 for u, same in zip(units, shares, strict=True)
             ]
         )
         for spec, same, on_bus in zip(units, shares, bus, strict=True):
-            master = on_bus if same else torch.empty(spec.n_owned, dtype=torch.float32)
-            grad = torch.zeros(spec.n_total, dtype=torch.float32)
-            buf = UnitBuffers(spec, master, grad, on_bus)
+            master = on_bus if same else torch.empty(spec.n_owned, dtype=self.master_dtype)
+            grad = torch.zeros(spec.n_total, dtype=self.master_dtype)
+            comp = torch.zeros(spec.n_owned, dtype=torch.bfloat16) if self.compact else None
+            buf = UnitBuffers(spec, master, grad, on_bus, comp)
             buf.ready.set()
             self.buffers.append(buf)
 
@@ -62,10 +75,36 @@ class HostStore:
         return len(self.buffers)
 
     def init_weights(self, cfg: ModelConfig, seed: int) -> None:
-        for buf in self.buffers:
-            for name, view in buf.spec.owned_views(buf.master).items():
+        for i, buf in enumerate(self.buffers):
+            values = torch.empty(buf.spec.n_owned) if self.compact else buf.master
+            for name, view in buf.spec.owned_views(values).items():
                 init_parameter(name, view, cfg, seed)
+            if self.compact:
+                self.write_master(i, values)
         self.refresh_all()
+
+    # Master as fp32 values, whatever the layout. Callers that race the optimizer or a
+    # peer merge hold the unit's lock.
+    def read_master(self, index: int) -> torch.Tensor:
+        """A copy of the unit's weights in fp32 (master + comp when compact)."""
+        buf = self.buffers[index]
+        if not self.compact:
+            return buf.master.clone()
+        return buf.master.float().add_(buf.comp)
+
+    def write_master(self, index: int, values: torch.Tensor) -> None:
+        """Set the unit's weights from fp32 values (compact: the nearest bf16, and what
+        that rounding dropped kept in comp, so read_master gives `values` back)."""
+        buf = self.buffers[index]
+        buf.master.copy_(values)
+        if self.compact:
+            buf.comp.copy_(values - buf.master.float())
+
+    def add_master(self, index: int, delta: torch.Tensor) -> None:
+        if self.compact:
+            self.write_master(index, self.read_master(index).add_(delta))
+        else:
+            self.buffers[index].master.add_(delta)
 
     def refresh_compute(self, index: int) -> None:
         """Copy a unit's master into its compute buffer, and into every alias of it."""
@@ -95,9 +134,11 @@ class HostStore:
                     )
 
     def named_master(self) -> dict[str, torch.Tensor]:
+        """fp32 weights by model name: views into master (copies when compact)."""
         out: dict[str, torch.Tensor] = {}
-        for buf in self.buffers:
-            out.update(buf.spec.owned_views(buf.master))
+        for i, buf in enumerate(self.buffers):
+            values = self.read_master(i) if self.compact else buf.master
+            out.update(buf.spec.owned_views(values))
         return out
 
     def wait_all_ready(self, timeout: float = 600.0) -> None:
@@ -109,6 +150,8 @@ class HostStore:
         total = 0
         for buf in self.buffers:
             total += buf.master.nbytes + buf.grad.nbytes
+            if buf.comp is not None:
+                total += buf.comp.nbytes
             if not buf.compute_is_master:
                 total += buf.compute.nbytes
         return total
