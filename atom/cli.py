@@ -312,10 +312,13 @@ def cmd_profile(args) -> int:
         f"atom: chose #1: {plan.swap['layers_per_unit']} layer(s)/unit, prefetch "
         f"{plan.swap['prefetch']}, micro-batch {plan.micro_batch} x {plan.grad_accum}, "
         f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
-        f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}: "
+        f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}, "
+        f"{plan.swap['state']} state: "
         f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
         f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"
     )
+    for note in plan.notes:
+        print(f"atom: {note}")
     plan.save(Path(args.out))
     print(f"atom: wrote {args.out}; train with: atom train --plan {args.out} ...")
     return 0

@@ -59,6 +59,10 @@ class ChunkScratch:
     def __init__(self, largest: int):
         self._buf = [torch.empty(min(CHUNK, padded(largest))) for _ in range(5)]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._buf)
+
     def views(self, span: int) -> list[torch.Tensor]:
         return [t[:span] for t in self._buf]
 
@@ -110,7 +114,7 @@ class CompactAdamW:
         self.m_scales = torch.full((p // BLOCK,), _TINY)
         self.s_scales = torch.full((p // BLOCK,), _TINY)
         self.steps = 0
-        self._scratch = scratch
+        self.scratch = scratch
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.m_codes, self.s_codes, self.m_scales, self.s_scales))
@@ -129,7 +133,7 @@ class CompactAdamW:
         rbc2 = 1 / math.sqrt(1 - b2**self.steps)
         for start, n, span in self._chunks():
             end, blocks = start + n, slice(start // BLOCK, (start + span) // BLOCK)
-            p0, g, m, s, work = self._scratch.views(span)
+            p0, g, m, s, work = self.scratch.views(span)
             g[:n].copy_(self.grad[start:end])
             g[n:].zero_()  # padding: zero gradient keeps its moments at zero
             if coef != 1.0:

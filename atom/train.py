@@ -20,22 +20,20 @@ import torch
 from tqdm import tqdm
 
 from atom.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from atom.config import Config, ConfigError
+from atom.config import Config, ConfigError, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
 
 log = logging.getLogger(__name__)
 
 
-# Host bytes per parameter the swap engine keeps: fp32 master + fp32 grad + two fp32 Adam
-# moments, plus the compute-dtype copy that crosses the bus (absent in fp32).
 def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     """(parameters, host bytes for model state): the profiler's account, so that the
     refusal here and `atom profile`'s host-RAM column never disagree."""
     from profiler.analysis import ModelAnalysis
 
     a = ModelAnalysis.of(cfg)
-    return a.n_params, a.host_bytes(dtype)
+    return a.n_params, a.host_bytes(dtype, cfg.swap.state)
 
 
 def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
@@ -45,15 +43,28 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
     n_params, need = host_bytes_needed(cfg, dtype)
     available = psutil.virtual_memory().available
     if need > available:
+        fix = "choose a smaller model or add RAM"
+        if cfg.swap.state == "fp32":
+            compact = host_bytes_needed(replace(cfg, swap={"state": "compact"}), dtype)[1]
+            if compact <= available:
+                fix = (
+                    f"--set swap.state=compact needs {compact / 2**30:.1f} GiB (bf16 weights, "
+                    f"8-bit optimizer state), or add RAM"
+                )
         raise ConfigError(
-            f"this model ({n_params / 1e9:.2f}B parameters) needs {need / 2**30:.1f} GiB of "
-            f"host RAM for weights, gradients and optimizer state, but only "
-            f"{available / 2**30:.1f} GiB is available; choose a smaller model or add RAM"
+            f"this model ({n_params / 1e9:.2f}B parameters, swap.state={cfg.swap.state}) needs "
+            f"{need / 2**30:.1f} GiB of host RAM for weights, gradients and optimizer state, "
+            f"but only {available / 2**30:.1f} GiB is available; {fix}"
         )
     return need
 
 
 def build_engine(cfg: Config, resident: bool = False):
+    if resident and cfg.swap.state != "fp32":
+        raise ConfigError(
+            "--resident trains plain PyTorch with fp32 state; swap.state=compact is for "
+            "swapped training: drop --resident or set swap.state=fp32"
+        )
     device, dtype = resolve_device(cfg)
     if not resident or device.type == "cpu":
         check_host_memory(cfg, dtype)

@@ -111,11 +111,30 @@ class ModelAnalysis:
             self.cfg.model, micro_batch * self.cfg.model.seq_len, dtype_bytes(dtype)
         )
 
-    def host_bytes(self, dtype: torch.dtype) -> int:
-        """Host RAM for model state: fp32 master, fp32 grads, two fp32 Adam moments, and the
-        compute-dtype copy that crosses the bus (shared with master in fp32)."""
-        copy = 0 if dtype == torch.float32 else dtype_bytes(dtype)
-        return self.n_params * 16 + sum(u.n_total for u in self.units) * copy
+    def host_bytes(self, dtype: torch.dtype, state: str = "fp32") -> int:
+        """Host RAM for model state, as atom/swap/host_store.py allocates it.
+
+        fp32 (swap.state): master, gradient and two Adam moments, 16 bytes per parameter.
+        compact: bf16 master + bf16 Kahan compensation + bf16 gradient + two 8-bit moments
+        with an fp32 scale per block, ~8 bytes, and a few chunks of fp32 scratch.
+        Plus, per unit, the compute-dtype copy that crosses the bus, except where master is
+        that copy (same dtype, no tied aliases), and the gradient of tied aliases."""
+        if state == "compact":
+            from atom.compact_adamw import BLOCK, CHUNK, padded
+
+            master_dtype = torch.bfloat16
+            scratch = 5 * min(CHUNK, padded(max(u.n_owned for u in self.units))) * 4
+            state_bytes = self.n_params * (8 + 8 / BLOCK) + scratch
+        else:
+            master_dtype = torch.float32
+            state_bytes = self.n_params * 16
+        copy = sum(
+            u.n_total * dtype_bytes(dtype)
+            for u in self.units
+            if dtype != master_dtype or u.n_total != u.n_owned
+        )
+        alias_grads = sum(u.n_total - u.n_owned for u in self.units) * dtype_bytes(master_dtype)
+        return int(state_bytes + copy + alias_grads)
 
     def flops_per_token(self) -> dict[str, float]:
         """Forward FLOPs per token: 2 per parameter-multiply, plus causal attention."""

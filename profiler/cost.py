@@ -35,6 +35,7 @@ class Candidate:
     offload_activations: bool
     order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
     resident: int = 0  # swap.resident_units: block units kept on the device all step
+    state: str = "fp32"  # swap.state: fp32, or compact (bf16 + 8-bit moments, half the RAM)
 
 
 @dataclass
@@ -93,7 +94,7 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
 
 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
-    total = a.host_bytes(dtype)
+    total = a.host_bytes(dtype, c.state)
     if cuda:
         total += 3 * a.largest_unit * 4  # pinned D2H staging buffers (fp32 when summed)
     if c.offload_activations:
@@ -184,11 +185,12 @@ def predict(
     # Host side, on one worker thread: each unit's gradient lands once per pass (a copy or
     # an add into the fp32 host gradient), then the unit updates (norm, Adam, bf16 refresh).
     landing = passes * n * hw.accum_s_per_param
-    optimizer = n * hw.adam_s_per_param
+    adam = hw.compact_adam_s_per_param if c.state == "compact" else hw.adam_s_per_param
+    optimizer = n * adam
     if hw.host_shares_compute:
         tail = optimizer + landing  # the CPU backend's host work takes the same cores
     else:
-        first_unit = units[0].n_owned * hw.adam_s_per_param
+        first_unit = units[0].n_owned * adam
         if eager:
             # landings and updates run as gradients arrive, under the rest of the backward
             # and the next step's forward

@@ -24,6 +24,9 @@ from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli.py, t
 log = logging.getLogger(__name__)
 
 GiB = 2**30
+# One core's time for a compact unit update, ns per parameter: `python -m profiler.hardware
+# compact --threads 1` (docs/benchmarks.md). Presets assume a desktop's 8 cores.
+COMPACT_NS_PER_CORE = 17.0
 
 
 @dataclass
@@ -42,6 +45,9 @@ class HardwareSpec:
     measured: bool = False
     dtype: str = "auto"  # compute dtype: auto = bf16 on CUDA, fp32 on CPU; fp16 for pre-Ampere
     unit_overhead_s: float = 2e-4  # Python + launch cost of one unit visit
+    # swap.state=compact: one unit update (decode, AdamW, Kahan, encode), seconds per
+    # parameter; compute-bound on the host's cores rather than DRAM-bound (see PRESETS)
+    compact_adam_s_per_param: float = COMPACT_NS_PER_CORE * 1e-9 / 8
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,7 +55,8 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, data: dict) -> HardwareSpec:
         names = {f.name for f in fields(cls)}
-        missing = names - set(data) - {"measured", "dtype", "unit_overhead_s"}
+        optional = {"measured", "dtype", "unit_overhead_s", "compact_adam_s_per_param"}
+        missing = names - set(data) - optional
         if missing:
             raise ConfigError(f"hardware spec is missing {sorted(missing)}")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -70,6 +77,9 @@ def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
         # a gradient landing (bf16 or fp32 in, fp32 add) ~10-12 (measure_host_optimizer).
         "adam_s_per_param": 46 / 50e9,
         "accum_s_per_param": 12 / 50e9,
+        # The compact update is a dozen elementwise passes over cache-sized chunks: bound by
+        # the cores, not DRAM.
+        "compact_adam_s_per_param": COMPACT_NS_PER_CORE * 1e-9 / 8,
         "host_shares_compute": False,
     }
 
@@ -147,6 +157,20 @@ def measure_host_optimizer(
     return upd, land
 
 
+def measure_compact_update(numel: int = 8_000_000) -> float:
+    """Seconds per parameter of one CompactAdamW unit update (swap.state=compact), the
+    engine's own code on a unit of `numel` parameters."""
+    from atom.compact_adamw import ChunkScratch, CompactAdamW
+    from atom.config import TrainConfig
+
+    master = torch.full((numel,), 0.02, dtype=torch.bfloat16)
+    comp = torch.zeros(numel, dtype=torch.bfloat16)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    opt = CompactAdamW(master, comp, grad, numel, TrainConfig(), ChunkScratch(numel))
+    opt.step(1e-4)  # first touch of the state is not per-step cost
+    return _median_time(lambda: opt.step(1e-4), 5) / numel
+
+
 def measure_unit_overhead(device: torch.device) -> float:
     """Seconds the swap engine spends per unit visit beyond compute and copies: time a
     training step of a model so small that its compute and copies are negligible."""
@@ -204,6 +228,7 @@ def measure(
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
     adam, add = measure_host_optimizer(compute_dtype=dtype)
+    compact = measure_compact_update()
     overhead = measure_unit_overhead(device)
     # at least 64 MiB: smaller copies run from cache and overstate DRAM bandwidth
     numel = max(transfer_numel, 1 << 24)
@@ -225,6 +250,7 @@ def measure(
             host_shares_compute=True,
             measured=True,
             unit_overhead_s=overhead,
+            compact_adam_s_per_param=compact,
         )
     free, total = torch.cuda.mem_get_info(device)
     pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
@@ -263,4 +289,18 @@ def measure(
         host_shares_compute=False,
         measured=True,
         unit_overhead_s=overhead,
+        compact_adam_s_per_param=compact,
     )
+
+
+if __name__ == "__main__":  # python -m profiler.hardware compact [--threads N]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="measure one host-side figure")
+    ap.add_argument("what", choices=["compact"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ns = measure_compact_update() * 1e9
+    print(f"compact update: {ns:.2f} ns/param on {torch.get_num_threads()} thread(s)")

@@ -1,9 +1,11 @@
 """Search the plan space and write plan.json.
 
 Dimensions: layers_per_unit, prefetch depth, micro-batch (grad_accum makes up the target
-batch), activation checkpointing, activation offload. Plans must fit the device budget
-and host RAM; the fastest predicted one wins. When nothing fits, `Infeasible` says which
-limit fails, by how much, and what would fit.
+batch), activation checkpointing, activation offload, order, resident units, and the host
+state (swap.state). Plans must fit the device budget and host RAM; the fastest predicted
+one wins, with fp32 state preferred whenever one fits: compact state (half the host RAM,
+not bit-equal to plain PyTorch) is chosen only when no fp32 plan fits. When nothing fits,
+`Infeasible` says which limit fails, by how much, and what would fit.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Plan:
     grad_accum: int
     prediction: dict
     candidates: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the user should know about the choice
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +103,19 @@ def _batch_options(target: int) -> list[int]:
 
 
 def candidates(cfg: Config, target_batch: int, max_prefetch: int = 3):
+    # a config that asks for compact state gets it; the default (fp32) also tries compact,
+    # for models whose fp32 state does not fit host RAM
+    states = ("compact",) if cfg.swap.state == "compact" else ("fp32", "compact")
+    for state in states:
+        for c in _shapes(cfg, target_batch, max_prefetch):
+            yield replace_candidate(c, state=state)
+
+
+def replace_candidate(c: Candidate, **changes) -> Candidate:
+    return Candidate(**{**asdict(c), **changes})
+
+
+def _shapes(cfg: Config, target_batch: int, max_prefetch: int):
     for lpu in _lpu_options(cfg.model.n_layer):
         n_units = 2 + -(-cfg.model.n_layer // lpu)
         for prefetch in range(0, min(max_prefetch, n_units - 1) + 1):
@@ -162,6 +178,8 @@ def search(
 def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype) -> list[Scored]:
     """Feasible plans, fastest first (fewer device bytes break ties). Raises Infeasible."""
     ok = [s for s in scored if s.fits_device and s.fits_host]
+    # fp32 state trains exactly as plain PyTorch does: compact only when nothing else fits
+    ok = [s for s in ok if s.candidate.state == "fp32"] or ok
     if ok:
         # Predictions within 1% of the fastest are a tie the model cannot resolve: among
         # those prefer the fewest bytes over the bus (copies compete with the host optimizer
@@ -188,11 +206,13 @@ def explain_infeasible(
     scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype
 ) -> str:
     smallest = min(scored, key=lambda s: s.prediction.peak_device_bytes)
-    host_need = min(s.prediction.host_bytes for s in scored)
+    leanest = min(scored, key=lambda s: s.prediction.host_bytes)
+    host_need = leanest.prediction.host_bytes
     parts = []
     if host_need > hw.host_mem:
+        as_compact = " even as compact state" if leanest.candidate.state == "compact" else ""
         parts.append(
-            f"host RAM: the model state needs {_gib(host_need)} but "
+            f"host RAM: the model state needs {_gib(host_need)}{as_compact} but "
             f"{_gib(hw.host_mem)} is available (short by "
             f"{_gib(host_need - hw.host_mem)}); add RAM or choose a smaller model"
         )
@@ -225,6 +245,25 @@ def explain_infeasible(
     return "no plan fits: " + "; ".join(parts)
 
 
+def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) -> list[str]:
+    """Why the chosen plan's host state is compact, and what it costs against the fastest
+    fp32 plan that fits the device (which host RAM rules out)."""
+    best = ranked[0]
+    if best.candidate.state != "compact":
+        return []
+    fp32 = [s for s in scored if s.candidate.state == "fp32" and s.fits_device]
+    if not fp32:
+        return []
+    fastest = min(fp32, key=lambda s: s.prediction.step_s)
+    return [
+        f"fp32 state needs {_gib(fastest.prediction.host_bytes)} of host RAM and "
+        f"{_gib(hw.host_mem)} is available: chose compact state (bf16 weights with Kahan "
+        f"compensation, 8-bit Adam moments) using {_gib(best.prediction.host_bytes)}, "
+        f"predicted {best.prediction.step_s / fastest.prediction.step_s:.2f}x the step time "
+        f"of the fastest fp32 plan"
+    ]
+
+
 def _longest_fitting_seq_len(
     cfg: Config, c: Candidate, hw: HardwareSpec, dtype: torch.dtype
 ) -> int | None:
@@ -247,16 +286,16 @@ def _longest_fitting_seq_len(
 def format_table(rows: list[Scored], limit: int = 8) -> str:
     head = (
         "| # | layers/unit | prefetch | micro-batch x accum | order | resident | checkpoint | "
-        "offload | step s | tokens/s | device peak | host RAM | bottleneck |"
+        "offload | state | step s | tokens/s | device peak | host RAM | bottleneck |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for i, s in enumerate(rows[:limit], 1):
         c, p = s.candidate, s.prediction
         lines.append(
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
             f"{c.order if c.grad_accum > 1 else '-'} | {c.resident} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
-            f"{p.step_s:.3f} | {p.tokens_per_s:,.0f} | {_gib(p.peak_device_bytes)} | "
+            f"{c.state} | {p.step_s:.3f} | {p.tokens_per_s:,.0f} | {_gib(p.peak_device_bytes)} | "
             f"{_gib(p.host_bytes)} | {p.bottleneck} |"
         )
     return "\n".join(lines)
@@ -280,6 +319,7 @@ def make_plan(
             "offload_activations": c.offload_activations,
             "order": c.order,
             "resident_units": c.resident,
+            "state": c.state,
         },
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,

@@ -12,7 +12,7 @@ from atom.config import Config, ConfigError, replace
 from atom.device import DTYPES
 from profiler import hardware, timing
 from profiler.analysis import ModelAnalysis
-from profiler.planner import Plan, Scored, choose, make_plan, search
+from profiler.planner import Plan, Scored, choose, make_plan, search, state_notes
 
 log = logging.getLogger(__name__)
 
@@ -96,4 +96,6 @@ def run_profile(
 
     scored = search(cfg, hw, dtype, target, times_for)
     ranked = choose(scored, hw, cfg, dtype)
-    return make_plan(cfg, hw, dtype, target, ranked), ranked, hw
+    plan = make_plan(cfg, hw, dtype, target, ranked)
+    plan.notes = state_notes(scored, ranked, hw)
+    return plan, ranked, hw

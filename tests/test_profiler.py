@@ -247,3 +247,67 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     assert tried == [1, 2, 4]  # stopped at the first size that did not fit
     assert plan.micro_batch == 2 and plan.grad_accum == 4
     assert all(r.candidate.micro_batch < 4 for r in ranked)
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_host_estimate_is_what_the_engine_allocates(state, tied):
+    """The profiler's host-RAM figure (also the trainer's up-front refusal) against the
+    bytes the swap engine holds after a step: master, gradient, compute copy, optimizer
+    state (and compact's compensation, block scales and scratch)."""
+    cfg = tiny_config(model={"tie_embeddings": tied}, swap={"state": state})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        engine.wait_idle()
+        held = engine.store.nbytes()
+        if state == "compact":
+            held += sum(o.nbytes() for o in engine.optimizers)
+            held += engine.optimizers[0].scratch.nbytes
+        else:
+            held += sum(
+                o.state_flat(k).nbytes for o in engine.optimizers for k in ("exp_avg", "exp_avg_sq")
+            )
+    finally:
+        engine.close()
+    estimate = ModelAnalysis.of(cfg).host_bytes(torch.float32, state)
+    # compact pads each unit's moments to whole blocks of 256: a few hundred bytes a unit
+    assert abs(estimate - held) <= 600 * len(engine.units), (estimate, held)
+
+
+def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
+    """llama-7b on a stated 24 GiB card: fp32 state with 128 GiB of RAM; compact state,
+    with a note naming the cost, at 64 GiB; at 32 GiB nothing fits and the error says so."""
+    cfg = load_config("llama-7b")
+    plan, _, _ = run_profile(
+        cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=128 * GiB, progress=False
+    )
+    assert plan.swap["state"] == "fp32" and not plan.notes
+    plan, ranked, _ = run_profile(
+        cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=64 * GiB, progress=False
+    )
+    assert plan.swap["state"] == "compact"
+    assert all(s.candidate.state == "compact" for s in ranked)
+    assert plan.prediction["host_bytes"] <= 64 * GiB
+    assert "fp32 state needs" in plan.notes[0] and "x the step time" in plan.notes[0]
+    from profiler.planner import Infeasible
+
+    with pytest.raises(Infeasible, match="even as compact state"):
+        run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False)
+
+
+def test_train_refusal_names_compact_state_when_it_would_fit(monkeypatch):
+    from types import SimpleNamespace
+
+    import atom.train as train
+
+    cfg = tiny_config()  # bf16 on the bus, as on a GPU: compact's master is that copy
+    fp32 = ModelAnalysis.of(cfg).host_bytes(torch.bfloat16, "fp32")
+    compact = ModelAnalysis.of(cfg).host_bytes(torch.bfloat16, "compact")
+    assert compact < fp32
+    room = SimpleNamespace(available=(fp32 + compact) // 2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: room)
+    with pytest.raises(ConfigError, match="--set swap.state=compact"):
+        train.check_host_memory(cfg, torch.bfloat16)
+    compact_cfg = replace(cfg, swap={"state": "compact"})
+    assert train.check_host_memory(compact_cfg, torch.bfloat16) == compact

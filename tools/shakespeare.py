@@ -7,6 +7,8 @@ with swapping on (layers_per_unit 1, prefetch 1) and byte-level tokens (the corp
 ASCII, so bytes are characters).
 
     python -m tools.shakespeare ../shared/data/tinyshakespeare.txt --out runs/shakespeare
+    python -m tools.shakespeare ../shared/data/tinyshakespeare.txt --out runs/shakespeare-compact \
+        --set swap.state=compact
 
 Prints the validation curve as a markdown table and the final val loss (target <= 1.93).
 """
@@ -20,45 +22,44 @@ import sys
 import time
 from pathlib import Path
 
-from atom.config import Config
+from atom.config import Config, apply_overrides
 from atom.data import prepare
 from atom.train import Trainer
 
 
-def nanogpt_cpu_config(data_dir: Path, eval_batches: int) -> Config:
-    return Config.from_dict(
-        {
-            "model": {
-                "arch": "gpt",
-                "n_layer": 4,
-                "n_head": 4,
-                "d_model": 128,
-                "seq_len": 64,
-                "vocab_size": 256,
-                "bias": False,
-            },
-            "train": {
-                "micro_batch": 12,
-                "grad_accum": 1,
-                "lr": 1e-3,
-                "min_lr": 1e-4,
-                "warmup_steps": 100,
-                "lr_decay_steps": 2000,
-                "max_steps": 2000,
-                "beta1": 0.9,
-                "beta2": 0.99,
-                "weight_decay": 0.1,
-                "grad_clip": 1.0,
-                "eval_interval": 250,
-                "eval_batches": eval_batches,
-                "ckpt_interval": 0,
-                "device": "cpu",
-                "dtype": "fp32",
-                "data": str(data_dir),
-            },
-            "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": True},
-        }
-    )
+def nanogpt_cpu_config(data_dir: Path, eval_batches: int, overrides: list[str]) -> Config:
+    data = {
+        "model": {
+            "arch": "gpt",
+            "n_layer": 4,
+            "n_head": 4,
+            "d_model": 128,
+            "seq_len": 64,
+            "vocab_size": 256,
+            "bias": False,
+        },
+        "train": {
+            "micro_batch": 12,
+            "grad_accum": 1,
+            "lr": 1e-3,
+            "min_lr": 1e-4,
+            "warmup_steps": 100,
+            "lr_decay_steps": 2000,
+            "max_steps": 2000,
+            "beta1": 0.9,
+            "beta2": 0.99,
+            "weight_decay": 0.1,
+            "grad_clip": 1.0,
+            "eval_interval": 250,
+            "eval_batches": eval_batches,
+            "ckpt_interval": 0,
+            "device": "cpu",
+            "dtype": "fp32",
+            "data": str(data_dir),
+        },
+        "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": True},
+    }
+    return Config.from_dict(apply_overrides(data, overrides))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +72,19 @@ def main(argv: list[str] | None = None) -> int:
         default=200,
         help="validation batches of 12 per evaluation (nanoGPT's CPU run used 20)",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a setting of the nanoGPT configuration (e.g. swap.state=compact)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
     data_dir = out / "data"
     prepare([Path(args.text)], data_dir, val_fraction=0.1, progress=False)
-    cfg = nanogpt_cpu_config(data_dir, args.eval_batches)
+    cfg = nanogpt_cpu_config(data_dir, args.eval_batches, args.set)
     t0 = time.perf_counter()
     summary = Trainer(cfg, out, progress=sys.stderr.isatty()).run()
     wall = time.perf_counter() - t0
