@@ -91,30 +91,50 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torc
 class CompactAdamW:
     """AdamW (torch's formula, decoupled weight decay) over one unit's compact state.
 
-    `master`, `comp` and `grad` are the unit's bf16 host buffers (owned parameters first,
-    `n_decay` of them decayed); the moments live here. `step` reads the gradient, applies
-    `coef` (the clip coefficient), and writes master/comp and the moments in place."""
+    `master`, `comp` and `grad` are the unit's bf16 host buffers (`n` owned parameters,
+    the first `n_decay` of them decayed); the moments live here. `step` reads the gradient,
+    applies `coef` (the clip coefficient), and writes master/comp and the moments in place.
+    paged: master, comp and the moments are placeholders that the disk tier points into a
+    RAM slot around each update (`regions` lays them out)."""
 
     def __init__(
         self,
         master: torch.Tensor,
         comp: torch.Tensor,
         grad: torch.Tensor,
+        n: int,
         n_decay: int,
         cfg: TrainConfig,
         scratch: ChunkScratch,
+        paged: bool = False,
     ):
         self.master, self.comp, self.grad = master, comp, grad
-        self.n = master.numel()
+        self.n = n
         self.n_decay = n_decay
         self.cfg = cfg
-        p = padded(self.n)
+        p = 0 if paged else padded(n)
         self.m_codes = torch.zeros(p, dtype=torch.uint8)
         self.s_codes = torch.zeros(p, dtype=torch.uint8)  # sqrt of the second moment
+        # an all-zero block's scale; on disk (paged) a fresh record reads as zeros, which
+        # decode to zero just the same
         self.m_scales = torch.full((p // BLOCK,), _TINY)
         self.s_scales = torch.full((p // BLOCK,), _TINY)
         self.steps = 0
         self.scratch = scratch
+
+    def regions(self) -> list:
+        """The unit's cold state for the disk tier: master, comp, codes and scales."""
+        from atom.swap.disk_tier import Region
+
+        n, p = self.n, padded(self.n)
+        return [
+            Region(torch.bfloat16, n, [(self.master, 0, (n,))]),
+            Region(torch.bfloat16, n, [(self.comp, 0, (n,))]),
+            Region(torch.uint8, p, [(self.m_codes, 0, (p,))]),
+            Region(torch.uint8, p, [(self.s_codes, 0, (p,))]),
+            Region(torch.float32, p // BLOCK, [(self.m_scales, 0, (p // BLOCK,))]),
+            Region(torch.float32, p // BLOCK, [(self.s_scales, 0, (p // BLOCK,))]),
+        ]
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.m_codes, self.s_codes, self.m_scales, self.s_scales))

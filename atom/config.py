@@ -158,8 +158,18 @@ class SwapConfig:
     # bytes, and the master doubles as the bf16 bus copy): for models whose fp32 state does
     # not fit host RAM (atom/compact_adamw.py). `atom profile` picks it when fp32 does not fit.
     state: str = "fp32"
+    # NVMe tier: a directory on a fast disk for each unit's master weights and optimizer
+    # moments (12 bytes per parameter in fp32 state, 6 compact); RAM keeps the bus copy and
+    # the gradient, and `disk_slots` units' state around their updates (read ahead, written
+    # behind). None: everything in RAM. Working state only: checkpoints are separate.
+    disk_dir: str | None = None
+    disk_slots: int = 3
 
     def __post_init__(self) -> None:
+        if self.disk_slots < 2:
+            raise ValueError(f"swap.disk_slots must be >= 2, got {self.disk_slots}")
+        if self.disk_dir is not None and not self.disk_dir.strip():
+            raise ValueError("swap.disk_dir must be a directory or null")
         if self.state not in ("fp32", "compact"):
             raise ValueError(f"swap.state must be fp32|compact, got {self.state!r}")
         if self.resident_units < 0:
@@ -208,6 +218,13 @@ class Config:
                 f"swap.prefetch ({self.swap.prefetch}) is larger than the number of units "
                 f"after the first ({self.n_units() - 1}); lower it"
             )
+        if self.swap.disk_dir is not None and self.gossip.listen is not None:
+            raise ValueError(
+                "swap.disk_dir (the NVMe tier) does not train with peers yet; drop "
+                "--listen/--join or swap.disk_dir"
+            )
+        if self.swap.disk_dir is not None and self.train.optimizer == "deepspeed":
+            raise ValueError("swap.disk_dir works with train.optimizer=adamw, not deepspeed")
         if self.swap.state == "compact" and self.train.optimizer == "deepspeed":
             raise ValueError(
                 "swap.state=compact runs its own 8-bit AdamW; use train.optimizer=adamw with "

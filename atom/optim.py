@@ -99,36 +99,86 @@ def init_state(opt: torch.optim.Optimizer, param: torch.Tensor, step: int) -> di
 class TorchUnitOptimizer:
     """One unit's torch AdamW (or DeepSpeedCPUAdam) over its flat fp32 master and gradient:
     the decayed parameters first, then the rest, as two groups. The swap engine sees this
-    and atom.compact_adamw.CompactAdamW through the same four members."""
+    and atom.compact_adamw.CompactAdamW through the same members.
 
-    def __init__(self, master: torch.Tensor, grad: torch.Tensor, n_decay: int, cfg: TrainConfig):
-        n_owned = master.numel()
-        decay, no_decay = master[:n_decay], master[n_decay:]
-        decay.grad, no_decay.grad = grad[:n_decay], grad[n_decay:n_owned]
+    paged: master is a placeholder the disk tier points into a RAM slot around each update
+    (atom/swap/disk_tier.py); the moments are placeholders too, created up front so that
+    `regions` can name them."""
+
+    def __init__(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        n_owned: int,
+        n_decay: int,
+        cfg: TrainConfig,
+        paged: bool = False,
+    ):
+        self.n_owned, self.n_decay = n_owned, n_decay
+        self.master = master
+        self.decay, self.no_decay = master[:n_decay], master[n_decay:]
+        self._params = [p for p, n in ((self.decay, n_decay), (self.no_decay, n_owned - n_decay))
+                        if n]  # fmt: skip
         self.grad = grad[:n_owned]
+        self._grads = {id(self.decay): grad[:n_decay], id(self.no_decay): grad[n_decay:n_owned]}
+        if not paged:
+            self._attach_grads()
         self.opt = make_optimizer(
-            [decay] if decay.numel() else [], [no_decay] if no_decay.numel() else [], cfg
+            [self.decay] if n_decay else [], [self.no_decay] if n_owned - n_decay else [], cfg
         )
+        if paged:
+            for p in self._params:
+                state = self.opt.state[p]
+                state["step"] = torch.tensor(0.0)
+                for key in STATE_KEYS:
+                    state[key] = torch.empty(0)
 
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.opt.param_groups for p in g["params"]]
+    def regions(self) -> list:
+        """The unit's cold state for the disk tier: master (with the two group views of
+        it), then each moment over the same layout."""
+        from atom.swap.disk_tier import Region
+
+        n, k = self.n_owned, self.n_decay
+        parts = [(p, 0 if p is self.decay else k, (k if p is self.decay else n - k,))
+                 for p in self._params]  # fmt: skip
+        out = [Region(torch.float32, n, [(self.master, 0, (n,)), *parts])]
+        for key in STATE_KEYS:
+            out.append(
+                Region(
+                    torch.float32,
+                    n,
+                    [(self.opt.state[p][key], at, shape) for p, at, shape in parts],
+                )  # fmt: skip
+            )
+        return out
 
     @property
     def steps(self) -> int:
         return optimizer_step_count(self.opt)
 
+    def _attach_grads(self) -> None:
+        # paged: a parameter has its size only while the disk tier points it into a slot
+        for p in self._params:
+            p.grad = self._grads[id(p)]
+
     def step(self, lr: float, coef: float = 1.0) -> None:
         if coef != 1.0:
             self.grad.mul_(coef)
+        self._attach_grads()
         set_lr(self.opt, lr)
         self.opt.step()
 
     def state_flat(self, key: str) -> torch.Tensor | None:
-        parts = [self.opt.state[p][key] for p in self._params() if p in self.opt.state]
+        parts = [self.opt.state[p][key] for p in self._params if p in self.opt.state]
         return torch.cat(parts) if parts else None
 
     def load_state_flat(self, key: str, flat: torch.Tensor, steps: int) -> None:
         offset = 0
-        for p in self._params():
-            init_state(self.opt, p, steps)[key].copy_(flat[offset : offset + p.numel()])
+        for p in self._params:
+            state = init_state(self.opt, p, steps)
+            state[key].copy_(flat[offset : offset + p.numel()])
+            if torch.is_tensor(state["step"]):
+                state["step"].fill_(steps)
+            else:
+                state["step"] = steps
             offset += p.numel()

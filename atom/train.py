@@ -33,7 +33,8 @@ def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     from profiler.analysis import ModelAnalysis
 
     a = ModelAnalysis.of(cfg)
-    return a.n_params, a.host_bytes(dtype, cfg.swap.state)
+    disk = cfg.swap.disk_dir is not None
+    return a.n_params, a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
 
 
 def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
@@ -44,15 +45,21 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
     available = psutil.virtual_memory().available
     if need > available:
         fix = "choose a smaller model or add RAM"
-        if cfg.swap.state == "fp32":
-            compact = host_bytes_needed(replace(cfg, swap={"state": "compact"}), dtype)[1]
-            if compact <= available:
-                fix = (
-                    f"--set swap.state=compact needs {compact / 2**30:.1f} GiB (bf16 weights, "
-                    f"8-bit optimizer state), or add RAM"
-                )
+        for sets, what in (
+            ({"state": "compact"}, "bf16 weights, 8-bit optimizer state"),
+            ({"disk_dir": "DIR"}, "weights and optimizer state on a fast disk"),
+            ({"state": "compact", "disk_dir": "DIR"}, "both"),
+        ):
+            if all(getattr(cfg.swap, k) == v for k, v in sets.items()):
+                continue
+            leaner = host_bytes_needed(replace(cfg, swap=sets), dtype)[1]
+            if leaner < need and leaner <= available:
+                flags = " ".join(f"--set swap.{k}={v}" for k, v in sets.items())
+                fix = f"{flags} needs {leaner / 2**30:.1f} GiB ({what}), or add RAM"
+                break
         raise ConfigError(
-            f"this model ({n_params / 1e9:.2f}B parameters, swap.state={cfg.swap.state}) needs "
+            f"this model ({n_params / 1e9:.2f}B parameters, swap.state={cfg.swap.state}"
+            f"{', NVMe tier' if cfg.swap.disk_dir else ''}) needs "
             f"{need / 2**30:.1f} GiB of host RAM for weights, gradients and optimizer state, "
             f"but only {available / 2**30:.1f} GiB is available; {fix}"
         )
@@ -60,10 +67,10 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
 
 
 def build_engine(cfg: Config, resident: bool = False):
-    if resident and cfg.swap.state != "fp32":
+    if resident and (cfg.swap.state != "fp32" or cfg.swap.disk_dir is not None):
         raise ConfigError(
-            "--resident trains plain PyTorch with fp32 state; swap.state=compact is for "
-            "swapped training: drop --resident or set swap.state=fp32"
+            "--resident trains plain PyTorch with fp32 state in RAM; swap.state=compact and "
+            "swap.disk_dir are for swapped training: drop --resident or those settings"
         )
     device, dtype = resolve_device(cfg)
     if not resident or device.type == "cpu":
@@ -186,6 +193,8 @@ class Trainer:
         scale = meta.get("loss_scale")
         if scale and getattr(self.engine, "scaler", None) is not None and not self.resident:
             self.engine.scaler.scale = float(scale)
+        if not self.resident:
+            self.engine.load_clip_state(meta.get("clip") or {})
         log.info("resumed from %s at step %d", ckpt.path, self.start_step)
 
     def save(self, step: int) -> Path:
@@ -201,6 +210,7 @@ class Trainer:
             "optimizer_steps": self.engine.optimizer_steps(),
             "rng": _rng_state(),
             "loss_scale": getattr(scaler, "scale", None) if not self.resident else None,
+            "clip": None if self.resident else self.engine.clip_state(),
         }
         return save_checkpoint(
             self.out,

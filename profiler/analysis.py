@@ -111,30 +111,57 @@ class ModelAnalysis:
             self.cfg.model, micro_batch * self.cfg.model.seq_len, dtype_bytes(dtype)
         )
 
-    def host_bytes(self, dtype: torch.dtype, state: str = "fp32") -> int:
+    def record_bytes(self, state: str) -> list[int]:
+        """Per unit, the cold state the NVMe tier keeps on disk (master and moments; in
+        compact state also the compensation and block scales), 4 KiB-aligned regions."""
+        from atom.compact_adamw import BLOCK, padded
+        from atom.swap.disk_tier import ALIGN
+
+        def aligned(n: int) -> int:
+            return -(-n // ALIGN) * ALIGN
+
+        out = []
+        for u in self.units:
+            n = u.n_owned
+            if state == "compact":  # master, comp, two code arrays, two scale arrays
+                scales = 4 * padded(n) // BLOCK
+                parts = [2 * n, 2 * n, padded(n), padded(n), scales, scales]
+            else:
+                parts = [4 * n] * 3
+            out.append(max(ALIGN, sum(aligned(p) for p in parts)))
+        return out
+
+    def host_bytes(
+        self, dtype: torch.dtype, state: str = "fp32", disk: bool = False, disk_slots: int = 3
+    ) -> int:
         """Host RAM for model state, as atom/swap/host_store.py allocates it.
 
         fp32 (swap.state): master, gradient and two Adam moments, 16 bytes per parameter.
         compact: bf16 master + bf16 Kahan compensation + bf16 gradient + two 8-bit moments
         with an fp32 scale per block, ~8 bytes, and a few chunks of fp32 scratch.
         Plus, per unit, the compute-dtype copy that crosses the bus, except where master is
-        that copy (same dtype, no tied aliases), and the gradient of tied aliases."""
-        if state == "compact":
-            from atom.compact_adamw import BLOCK, CHUNK, padded
+        that copy (same dtype, no tied aliases), and the gradient of tied aliases.
+        disk (swap.disk_dir): master and moments live on disk; RAM keeps the bus copy and
+        the gradient of every unit, and `disk_slots` records of the largest unit."""
+        from atom.compact_adamw import BLOCK, CHUNK, padded
 
-            master_dtype = torch.bfloat16
-            scratch = 5 * min(CHUNK, padded(max(u.n_owned for u in self.units))) * 4
-            state_bytes = self.n_params * (8 + 8 / BLOCK) + scratch
-        else:
-            master_dtype = torch.float32
-            state_bytes = self.n_params * 16
-        copy = sum(
+        compact = state == "compact"
+        master_dtype = torch.bfloat16 if compact else torch.float32
+        grads = sum(u.n_total for u in self.units) * dtype_bytes(master_dtype)
+        scratch = 5 * min(CHUNK, padded(max(u.n_owned for u in self.units))) * 4 if compact else 0
+        if disk:
+            copies = sum(u.n_total for u in self.units) * dtype_bytes(dtype)
+            return int(
+                grads + copies + scratch + max(2, disk_slots) * max(self.record_bytes(state))
+            )
+        moments = self.n_params * (2 + 8 / BLOCK) if compact else self.n_params * 8
+        masters = self.n_params * 4  # fp32 master, or bf16 master + bf16 compensation
+        copies = sum(
             u.n_total * dtype_bytes(dtype)
             for u in self.units
             if dtype != master_dtype or u.n_total != u.n_owned
         )
-        alias_grads = sum(u.n_total - u.n_owned for u in self.units) * dtype_bytes(master_dtype)
-        return int(state_bytes + copy + alias_grads)
+        return int(masters + moments + grads + copies + scratch)
 
     def flops_per_token(self) -> dict[str, float]:
         """Forward FLOPs per token: 2 per parameter-multiply, plus causal attention."""

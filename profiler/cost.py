@@ -36,6 +36,7 @@ class Candidate:
     order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
     resident: int = 0  # swap.resident_units: block units kept on the device all step
     state: str = "fp32"  # swap.state: fp32, or compact (bf16 + 8-bit moments, half the RAM)
+    disk: bool = False  # swap.disk_dir: master and moments on disk, paged around updates
 
 
 @dataclass
@@ -94,7 +95,7 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
 
 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
-    total = a.host_bytes(dtype, c.state)
+    total = a.host_bytes(dtype, c.state, c.disk)
     if cuda:
         total += 3 * a.largest_unit * 4  # pinned D2H staging buffers (fp32 when summed)
     if c.offload_activations:
@@ -187,10 +188,18 @@ def predict(
     landing = passes * n * hw.accum_s_per_param
     adam = hw.compact_adam_s_per_param if c.state == "compact" else hw.adam_s_per_param
     optimizer = n * adam
+    disk_io = first_read = 0.0
+    if c.disk:
+        # every unit's record is read before its update and written back after it; reads
+        # and writes share the disk, and run ahead of / behind the updates
+        records = a.record_bytes(c.state)
+        disk_io = sum(records) * (1 / hw.disk_read_bps + 1 / hw.disk_write_bps)
+        first_read = records[0] / hw.disk_read_bps
+        optimizer = max(optimizer, disk_io)
     if hw.host_shares_compute:
         tail = optimizer + landing  # the CPU backend's host work takes the same cores
     else:
-        first_unit = units[0].n_owned * adam
+        first_unit = units[0].n_owned * adam + first_read
         if eager:
             # landings and updates run as gradients arrive, under the rest of the backward
             # and the next step's forward
@@ -222,6 +231,8 @@ def predict(
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
             "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
+            "disk_bytes": sum(a.record_bytes(c.state)) if c.disk else 0,
+            "disk_io_s": disk_io,
             # page-locked on CUDA: every unit's compute copy and the D2H staging pool
             "pinned_bytes": (sum(u.n_total for u in units) * dt + 3 * a.largest_unit * 4)
             if cuda

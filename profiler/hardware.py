@@ -48,6 +48,9 @@ class HardwareSpec:
     # swap.state=compact: one unit update (decode, AdamW, Kahan, encode), seconds per
     # parameter; compute-bound on the host's cores rather than DRAM-bound (see PRESETS)
     compact_adam_s_per_param: float = COMPACT_NS_PER_CORE * 1e-9 / 8
+    # the NVMe tier's disk (swap.disk_dir), large sequential transfers; 0: none known
+    disk_read_bps: float = 0.0
+    disk_write_bps: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,7 +58,14 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, data: dict) -> HardwareSpec:
         names = {f.name for f in fields(cls)}
-        optional = {"measured", "dtype", "unit_overhead_s", "compact_adam_s_per_param"}
+        optional = {
+            "measured",
+            "dtype",
+            "unit_overhead_s",
+            "compact_adam_s_per_param",
+            "disk_read_bps",
+            "disk_write_bps",
+        }
         missing = names - set(data) - optional
         if missing:
             raise ConfigError(f"hardware spec is missing {sorted(missing)}")
@@ -80,6 +90,10 @@ def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
         # The compact update is a dozen elementwise passes over cache-sized chunks: bound by
         # the cores, not DRAM.
         "compact_adam_s_per_param": COMPACT_NS_PER_CORE * 1e-9 / 8,
+        # A PCIe4 NVMe SSD's sustained large transfers (the spec sheets' 7/6 GB/s are burst
+        # figures into the drive's cache; a full-state write per step runs past it)
+        "disk_read_bps": 5e9,
+        "disk_write_bps": 2.5e9,
         "host_shares_compute": False,
     }
 
@@ -166,9 +180,48 @@ def measure_compact_update(numel: int = 8_000_000) -> float:
     master = torch.full((numel,), 0.02, dtype=torch.bfloat16)
     comp = torch.zeros(numel, dtype=torch.bfloat16)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
-    opt = CompactAdamW(master, comp, grad, numel, TrainConfig(), ChunkScratch(numel))
+    opt = CompactAdamW(master, comp, grad, numel, numel, TrainConfig(), ChunkScratch(numel))
     opt.step(1e-4)  # first touch of the state is not per-step cost
     return _median_time(lambda: opt.step(1e-4), 5) / numel
+
+
+def measure_disk(directory: str | Path, nbytes: int = 1 << 30, seconds: float = 8.0):
+    """(read, write) bytes/s of large sequential transfers in `directory`, as the NVMe tier
+    does them: O_DIRECT where the filesystem allows, otherwise buffered with the written
+    pages dropped from the page cache before reading back (else the read measures RAM).
+    Stops early after about `seconds` each way."""
+    import mmap
+    import os
+
+    chunk = 64 << 20
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(1 << 20) * (chunk >> 20))
+    path = Path(directory) / f".atom-disk-probe-{os.getpid()}"
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    try:
+        try:
+            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:
+            fd = os.open(path, flags, 0o600)
+        try:
+            done, t0 = 0, time.perf_counter()
+            while done < nbytes and time.perf_counter() - t0 < seconds:
+                done += os.pwrite(fd, buf, done)
+            os.fsync(fd)
+            write = done / (time.perf_counter() - t0)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            got, t0 = 0, time.perf_counter()
+            with memoryview(buf) as view:
+                while got < done and time.perf_counter() - t0 < seconds:
+                    got += os.preadv(fd, [view], got)
+            read = got / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+        buf.close()
+    return read, write
 
 
 def measure_unit_overhead(device: torch.device) -> float:
@@ -223,8 +276,24 @@ def measure(
     dtype: torch.dtype,
     device_mem: int | None = None,
     host_mem: int | None = None,
+    disk_dir: str | None = None,
 ) -> HardwareSpec:
-    """Measure this machine at the transfer size the plan would use."""
+    """Measure this machine at the transfer size the plan would use (and the disk of the
+    NVMe tier, when there is one)."""
+    spec = _measure(device, transfer_numel, dtype, device_mem, host_mem)
+    if disk_dir is not None:
+        log.info("measuring disk speed in %s", disk_dir)
+        spec.disk_read_bps, spec.disk_write_bps = measure_disk(disk_dir)
+    return spec
+
+
+def _measure(
+    device: torch.device,
+    transfer_numel: int,
+    dtype: torch.dtype,
+    device_mem: int | None,
+    host_mem: int | None,
+) -> HardwareSpec:
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
     adam, add = measure_host_optimizer(compute_dtype=dtype)

@@ -2,10 +2,12 @@
 
 Dimensions: layers_per_unit, prefetch depth, micro-batch (grad_accum makes up the target
 batch), activation checkpointing, activation offload, order, resident units, and the host
-state (swap.state). Plans must fit the device budget and host RAM; the fastest predicted
-one wins, with fp32 state preferred whenever one fits: compact state (half the host RAM,
-not bit-equal to plain PyTorch) is chosen only when no fp32 plan fits. When nothing fits,
-`Infeasible` says which limit fails, by how much, and what would fit.
+state (swap.state) and where it lives (RAM, or the NVMe tier: swap.disk_dir). Plans must
+fit the device budget and host RAM. The host state is chosen in this order, the first
+that fits: fp32 in RAM (exactly plain PyTorch's training), compact in RAM (half the RAM,
+not bit-equal), fp32 on disk, compact on disk (the disk tier needs a disk speed: measured
+in swap.disk_dir, or stated); within it the fastest predicted plan wins. When nothing
+fits, `Infeasible` says which limit fails, by how much, and what would fit.
 """
 
 from __future__ import annotations
@@ -77,10 +79,18 @@ class Plan:
                 "the plan was made for a different model config; run `atom "
                 "profile` with the same --config/--set model.* values"
             )
+        swap = dict(self.swap)
+        if swap.pop("disk_tier", False):
+            swap["disk_dir"] = cfg.swap.disk_dir or swap.get("disk_dir")
+            if swap["disk_dir"] is None:
+                raise ConfigError(
+                    "the plan keeps master weights and optimizer state on disk (NVMe tier): "
+                    "give the directory with --set swap.disk_dir=DIR"
+                )
+        else:
+            swap["disk_dir"] = None  # the plan fits in RAM: faster than any disk
         return replace(
-            cfg,
-            swap=self.swap,
-            train={"micro_batch": self.micro_batch, "grad_accum": self.grad_accum},
+            cfg, swap=swap, train={"micro_batch": self.micro_batch, "grad_accum": self.grad_accum}
         )
 
 
@@ -102,13 +112,22 @@ def _batch_options(target: int) -> list[int]:
     return opts
 
 
-def candidates(cfg: Config, target_batch: int, max_prefetch: int = 3):
-    # a config that asks for compact state gets it; the default (fp32) also tries compact,
-    # for models whose fp32 state does not fit host RAM
-    states = ("compact",) if cfg.swap.state == "compact" else ("fp32", "compact")
-    for state in states:
-        for c in _shapes(cfg, target_batch, max_prefetch):
-            yield replace_candidate(c, state=state)
+def host_options(cfg: Config, disk_known: bool) -> list[tuple[str, bool]]:
+    """(swap.state, on disk) in order of preference. A config that asks for compact state
+    gets it; the default (fp32) falls back to compact when fp32 does not fit."""
+    states = ["compact"] if cfg.swap.state == "compact" else ["fp32", "compact"]
+    return [(s, False) for s in states] + ([(s, True) for s in states] if disk_known else [])
+
+
+def describe_host(state: str, disk: bool) -> str:
+    return f"{state} state" + (" on the NVMe tier" if disk else "")
+
+
+def candidates(
+    cfg: Config, target_batch: int, max_prefetch: int = 3, state: str = "fp32", disk=False
+):
+    for c in _shapes(cfg, target_batch, max_prefetch):
+        yield replace_candidate(c, state=state, disk=disk)
 
 
 def replace_candidate(c: Candidate, **changes) -> Candidate:
@@ -153,10 +172,22 @@ class Scored:
 def search(
     cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int, times_for
 ) -> list[Scored]:
-    """Score every candidate; `times_for(micro_batch, analysis)` gives PieceTimes."""
+    """Score the candidates, one host option after another (host_options) until one has
+    plans that fit; `times_for(micro_batch, analysis)` gives PieceTimes."""
     analyses: dict[int, ModelAnalysis] = {}
+    scored: list[Scored] = []
+    for state, disk in host_options(cfg, hw.disk_read_bps > 0 and hw.disk_write_bps > 0):
+        group = _score(cfg, hw, dtype, candidates(cfg, target_batch, state=state, disk=disk),
+                       times_for, analyses)  # fmt: skip
+        scored += group
+        if any(s.fits_device and s.fits_host for s in group):
+            break
+    return scored
+
+
+def _score(cfg, hw, dtype, cands, times_for, analyses) -> list[Scored]:
     scored = []
-    for cand in candidates(cfg, target_batch):
+    for cand in cands:
         if cand.layers_per_unit not in analyses:
             analyses[cand.layers_per_unit] = ModelAnalysis.of(
                 replace(cfg, swap={"layers_per_unit": cand.layers_per_unit, "prefetch": 0})
@@ -178,9 +209,10 @@ def search(
 def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype) -> list[Scored]:
     """Feasible plans, fastest first (fewer device bytes break ties). Raises Infeasible."""
     ok = [s for s in scored if s.fits_device and s.fits_host]
-    # fp32 state trains exactly as plain PyTorch does: compact only when nothing else fits
-    ok = [s for s in ok if s.candidate.state == "fp32"] or ok
+    # the host option search() stopped at (fp32 in RAM trains exactly as plain PyTorch)
     if ok:
+        first = min(host_rank(s.candidate, cfg) for s in ok)
+        ok = [s for s in ok if host_rank(s.candidate, cfg) == first]
         # Predictions within 1% of the fastest are a tie the model cannot resolve: among
         # those prefer the fewest bytes over the bus (copies compete with the host optimizer
         # for DRAM bandwidth, which the model does not charge: on the H100 machine a
@@ -198,6 +230,10 @@ def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dty
     raise Infeasible(explain_infeasible(scored, hw, cfg, dtype))
 
 
+def host_rank(c: Candidate, cfg: Config) -> int:
+    return host_options(cfg, True).index((c.state, c.disk))
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
@@ -210,9 +246,12 @@ def explain_infeasible(
     host_need = leanest.prediction.host_bytes
     parts = []
     if host_need > hw.host_mem:
-        as_compact = " even as compact state" if leanest.candidate.state == "compact" else ""
+        c = leanest.candidate
+        as_leanest = f" even as {describe_host(c.state, c.disk)}" if c.state != "fp32" else ""
+        if not c.disk and hw.disk_read_bps <= 0:
+            as_leanest += " (an NVMe tier may fit: --set swap.disk_dir=DIR)"
         parts.append(
-            f"host RAM: the model state needs {_gib(host_need)}{as_compact} but "
+            f"host RAM: the model state needs {_gib(host_need)}{as_leanest} but "
             f"{_gib(hw.host_mem)} is available (short by "
             f"{_gib(host_need - hw.host_mem)}); add RAM or choose a smaller model"
         )
@@ -248,20 +287,34 @@ def explain_infeasible(
 def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) -> list[str]:
     """Why the chosen plan's host state is compact, and what it costs against the fastest
     fp32 plan that fits the device (which host RAM rules out)."""
-    best = ranked[0]
-    if best.candidate.state != "compact":
+    best = ranked[0].candidate
+    if best.state == "fp32" and not best.disk:
         return []
-    fp32 = [s for s in scored if s.candidate.state == "fp32" and s.fits_device]
-    if not fp32:
-        return []
-    fastest = min(fp32, key=lambda s: s.prediction.step_s)
-    return [
-        f"fp32 state needs {_gib(fastest.prediction.host_bytes)} of host RAM and "
-        f"{_gib(hw.host_mem)} is available: chose compact state (bf16 weights with Kahan "
-        f"compensation, 8-bit Adam moments) using {_gib(best.prediction.host_bytes)}, "
-        f"predicted {best.prediction.step_s / fastest.prediction.step_s:.2f}x the step time "
-        f"of the fastest fp32 plan"
-    ]
+    fp32 = [s for s in scored if s.candidate.state == "fp32" and not s.candidate.disk]
+    fastest = min((s for s in fp32 if s.fits_device), key=lambda s: s.prediction.step_s,
+                  default=None)  # fmt: skip
+    what = {
+        "compact": "bf16 weights with Kahan compensation, 8-bit Adam moments",
+        "fp32": "fp32 weights and moments",
+    }[best.state]
+    p = ranked[0].prediction
+    where = (
+        f" and {_gib(p.detail['disk_bytes'])} on disk in swap.disk_dir, all read and written "
+        f"once per step ({p.detail['disk_io_s']:.1f} s of disk time, under the updates)"
+        if best.disk
+        else ""
+    )
+    note = (
+        f"chose {describe_host(best.state, best.disk)} ({what}): {_gib(p.host_bytes)} of host "
+        f"RAM{where}"
+    )
+    if fastest is not None:
+        note = (
+            f"fp32 state in RAM needs {_gib(fastest.prediction.host_bytes)} and "
+            f"{_gib(hw.host_mem)} is available: {note}; predicted "
+            f"{p.step_s / fastest.prediction.step_s:.2f}x the step time of the fastest fp32 plan"
+        )
+    return [note]
 
 
 def _longest_fitting_seq_len(
@@ -286,7 +339,7 @@ def _longest_fitting_seq_len(
 def format_table(rows: list[Scored], limit: int = 8) -> str:
     head = (
         "| # | layers/unit | prefetch | micro-batch x accum | order | resident | checkpoint | "
-        "offload | state | step s | tokens/s | device peak | host RAM | bottleneck |"
+        "offload | host state | step s | tokens/s | device peak | host RAM | bottleneck |"
     )
     lines = [head, "|" + "---|" * 14]
     for i, s in enumerate(rows[:limit], 1):
@@ -295,7 +348,8 @@ def format_table(rows: list[Scored], limit: int = 8) -> str:
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
             f"{c.order if c.grad_accum > 1 else '-'} | {c.resident} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
-            f"{c.state} | {p.step_s:.3f} | {p.tokens_per_s:,.0f} | {_gib(p.peak_device_bytes)} | "
+            f"{c.state}{' (disk)' if c.disk else ''} | {p.step_s:.3f} | {p.tokens_per_s:,.0f} | "
+            f"{_gib(p.peak_device_bytes)} | "
             f"{_gib(p.host_bytes)} | {p.bottleneck} |"
         )
     return "\n".join(lines)
@@ -320,6 +374,8 @@ def make_plan(
             "order": c.order,
             "resident_units": c.resident,
             "state": c.state,
+            "disk_tier": c.disk,
+            "disk_dir": cfg.swap.disk_dir if c.disk else None,
         },
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,

@@ -55,16 +55,22 @@ def run_profile(
         largest = ModelAnalysis.of(
             replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
         ).largest_unit
+        disk_dir = cfg.swap.disk_dir
         if cache.data.get("hardware") and not refresh:
             hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
             if gpu_mem is not None:
                 hw.device_mem = gpu_mem
             if host_mem is not None:
                 hw.host_mem = host_mem
+            if disk_dir is not None and not hw.disk_read_bps:
+                hw.disk_read_bps, hw.disk_write_bps = hardware.measure_disk(disk_dir)
+                cache.data["hardware"] = hw.to_dict()
         else:
             log.info("measuring host<->device bandwidth and host optimizer speed")
-            hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem)
+            hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem, disk_dir)
             cache.data["hardware"] = hw.to_dict()
+        if disk_dir is None:  # a disk measured for another run's directory is not this one's
+            hw.disk_read_bps = hw.disk_write_bps = 0.0
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= target]
         too_big = cache.data.get("oom_from")
         missing = [

@@ -47,7 +47,7 @@ def tiny_config(**sections) -> Config:
         "swap": {"layers_per_unit": 1, "prefetch": 1},
     }
     for section, values in sections.items():
-        data[section].update(values)
+        data.setdefault(section, {}).update(values)
     return Config.from_dict(data)
 
 

@@ -62,7 +62,7 @@ def _compact(n: int, n_decay: int, cfg: TrainConfig, init: torch.Tensor):
     master.copy_(init)
     comp = (init - master.float()).bfloat16()
     grad = torch.zeros(n, dtype=torch.bfloat16)
-    opt = CompactAdamW(master, comp, grad, n_decay, cfg, ChunkScratch(n))
+    opt = CompactAdamW(master, comp, grad, n, n_decay, cfg, ChunkScratch(n))
     return opt, master, comp, grad
 
 

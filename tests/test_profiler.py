@@ -146,9 +146,9 @@ def test_a_tight_budget_forces_checkpointing_and_small_batches():
 def test_infeasible_names_the_limit_and_the_shortfall():
     cfg = load_config("llama-7b")
     with pytest.raises(Exception) as err:
-        run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False)
-    msg = str(err.value)
-    assert "host RAM" in msg and "short by" in msg and "32.0 GiB" in msg
+        run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=16 * GiB, progress=False)
+    msg = str(err.value)  # (32 GiB fits since the NVMe tier: compact state on disk)
+    assert "host RAM" in msg and "short by" in msg and "16.0 GiB" in msg
     with pytest.raises(Exception) as err:
         run_profile(cfg, stated="rtx4090", gpu_mem=GiB // 2, host_mem=256 * GiB, progress=False)
     msg = str(err.value)
@@ -249,19 +249,27 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     assert all(r.candidate.micro_batch < 4 for r in ranked)
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["ram", "disk"])
 @pytest.mark.parametrize("state", ["fp32", "compact"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_host_estimate_is_what_the_engine_allocates(state, tied):
+def test_host_estimate_is_what_the_engine_allocates(state, tied, disk, tmp_path):
     """The profiler's host-RAM figure (also the trainer's up-front refusal) against the
     bytes the swap engine holds after a step: master, gradient, compute copy, optimizer
-    state (and compact's compensation, block scales and scratch)."""
-    cfg = tiny_config(model={"tie_embeddings": tied}, swap={"state": state})
+    state (and compact's compensation, block scales and scratch); with the NVMe tier the
+    RAM slots, and on disk the records."""
+    swap = {"state": state, "disk_dir": str(tmp_path) if disk else None}
+    cfg = tiny_config(model={"tie_embeddings": tied}, swap=swap)
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     try:
         engine.train_step(batches_for(0, cfg), 1e-3)
         engine.wait_idle()
         held = engine.store.nbytes()
-        if state == "compact":
+        if disk:
+            held += engine.tier.slot_bytes
+            disk_bytes = engine.tier.disk_bytes
+            if state == "compact":
+                held += engine.optimizers[0].scratch.nbytes
+        elif state == "compact":
             held += sum(o.nbytes() for o in engine.optimizers)
             held += engine.optimizers[0].scratch.nbytes
         else:
@@ -270,14 +278,27 @@ def test_host_estimate_is_what_the_engine_allocates(state, tied):
             )
     finally:
         engine.close()
-    estimate = ModelAnalysis.of(cfg).host_bytes(torch.float32, state)
-    # compact pads each unit's moments to whole blocks of 256: a few hundred bytes a unit
-    assert abs(estimate - held) <= 600 * len(engine.units), (estimate, held)
+    a = ModelAnalysis.of(cfg)
+    estimate = a.host_bytes(torch.float32, state, disk, cfg.swap.disk_slots)
+    if disk:
+        assert estimate == held
+        assert sum(a.record_bytes(state)) == disk_bytes
+    else:  # compact pads each unit's moments to whole blocks of 256: bytes a unit
+        assert abs(estimate - held) <= 600 * len(engine.units), (estimate, held)
+
+
+def test_disk_speed_is_measured_in_the_directory(tmp_path):
+    from profiler.hardware import measure_disk
+
+    read, write = measure_disk(tmp_path, nbytes=64 << 20, seconds=2)
+    assert read > 1e6 and write > 1e6
+    assert not list(tmp_path.iterdir())  # the probe file is gone
 
 
 def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     """llama-7b on a stated 24 GiB card: fp32 state with 128 GiB of RAM; compact state,
-    with a note naming the cost, at 64 GiB; at 32 GiB nothing fits and the error says so."""
+    with a note naming the cost, at 64 GiB; compact state on the NVMe tier (the preset's
+    disk speed) at 32 GiB; at 24 GiB nothing fits and the error says so."""
     cfg = load_config("llama-7b")
     plan, _, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=128 * GiB, progress=False
@@ -289,11 +310,22 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     assert plan.swap["state"] == "compact"
     assert all(s.candidate.state == "compact" for s in ranked)
     assert plan.prediction["host_bytes"] <= 64 * GiB
-    assert "fp32 state needs" in plan.notes[0] and "x the step time" in plan.notes[0]
+    assert "fp32 state in RAM needs" in plan.notes[0] and "x the step time" in plan.notes[0]
+    plan, ranked, _ = run_profile(
+        cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False
+    )
+    assert plan.swap["state"] == "compact" and plan.swap["disk_tier"]
+    assert all(s.candidate.disk for s in ranked)
+    assert plan.prediction["host_bytes"] <= 32 * GiB
+    assert "on disk in swap.disk_dir" in plan.notes[0]
+    # training with that plan needs the directory, and says so
+    with pytest.raises(ConfigError, match="swap.disk_dir=DIR"):
+        plan.apply(cfg)
+    assert plan.apply(replace(cfg, swap={"disk_dir": "/tmp"})).swap.disk_dir == "/tmp"
     from profiler.planner import Infeasible
 
-    with pytest.raises(Infeasible, match="even as compact state"):
-        run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False)
+    with pytest.raises(Infeasible, match="even as compact state on the NVMe tier"):
+        run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=24 * GiB, progress=False)
 
 
 def test_train_refusal_names_compact_state_when_it_would_fit(monkeypatch):

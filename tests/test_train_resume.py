@@ -49,6 +49,30 @@ def test_resume_equals_uninterrupted(tmp_path, text_dataset, resident):
         assert torch.equal(full[name], split[name]), name
 
 
+@pytest.mark.parametrize("update", ["exact", "eager"])
+def test_resume_from_a_mid_run_checkpoint_equals_uninterrupted(tmp_path, text_dataset, update):
+    """Resume from a checkpoint taken in the middle of a run (not its last): the host
+    worker may still hold that step's updates when the checkpoint is taken, and the
+    optimizer's step count must be the one the tensors are saved at."""
+    import shutil
+
+    cfg = tiny_config(
+        train={
+            "max_steps": 9,
+            "ckpt_interval": 3,
+            "keep_checkpoints": 5,
+            "data": str(text_dataset),
+        },
+        swap={"update": update},
+    )
+    Trainer(cfg, tmp_path / "full", progress=False).run()
+    shutil.copytree(tmp_path / "full", tmp_path / "split")
+    for later in ("step_00000006", "step_00000009"):
+        shutil.rmtree(tmp_path / "split" / "checkpoints" / later)
+    Trainer(cfg, tmp_path / "split", resume=tmp_path / "split", progress=False).run()
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+
+
 def test_swapped_checkpoint_resumes_resident(tmp_path, text_dataset):
     """Checkpoints are keyed by parameter name, not by unit: either engine reads either."""
     cfg = tiny_config(train={"max_steps": 6, "data": str(text_dataset)})

@@ -34,6 +34,7 @@ from atom.config import Config
 from atom.model import build_model
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
 from atom.swap.backend import Backend
+from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.host_store import HostStore
 from atom.swap.host_worker import HostWorker
 from atom.swap.schedule import GradRun, StepPlan
@@ -123,7 +124,14 @@ class SwapEngine:
         self.dtype = compute_dtype
         self.model = build_model(cfg.model, device="meta")
         self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
-        self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state)
+        paged = cfg.swap.disk_dir is not None
+        self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state, paged)
+        self.optimizers = self._make_optimizers()
+        self.tier: DiskTier | None = None
+        if paged:
+            records = [UnitRecord(opt.regions()) for opt in self.optimizers]
+            self.tier = DiskTier(cfg.swap.disk_dir, records, cfg.swap.disk_slots)
+            self.store.tier = self.tier
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)
@@ -132,7 +140,6 @@ class SwapEngine:
         self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1 + n_res, largest, compute_dtype)
         self.ledger = MemoryLedger(self.slots.nbytes)
-        self.optimizers = self._make_optimizers()
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self._set_update_mode(cfg.swap.update)
         self._eager_coef = 1.0  # eager: the clip coefficient from the previous step's norm
@@ -179,12 +186,18 @@ class SwapEngine:
 
     def _make_optimizers(self) -> list[TorchUnitOptimizer | CompactAdamW]:
         """One host optimizer per unit, over its flat master (decayed parameters first)."""
-        train, bufs = self.cfg.train, self.store.buffers
+        train, bufs, paged = self.cfg.train, self.store.buffers, self.store.paged
         if not self.store.compact:
-            return [TorchUnitOptimizer(b.master, b.grad, b.spec.n_decay, train) for b in bufs]
+            return [
+                TorchUnitOptimizer(b.master, b.grad, b.spec.n_owned, b.spec.n_decay, train, paged)
+                for b in bufs
+            ]
         scratch = ChunkScratch(max(b.spec.n_owned for b in bufs))
         return [
-            CompactAdamW(b.master, b.comp, b.grad, b.spec.n_decay, train, scratch) for b in bufs
+            CompactAdamW(
+                b.master, b.comp, b.grad, b.spec.n_owned, b.spec.n_decay, train, scratch, paged
+            )
+            for b in bufs
         ]
 
     def _unblock_all(self) -> None:
@@ -403,6 +416,8 @@ class SwapEngine:
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
             buf.ready.clear()  # the next copy of this unit must wait for its update
+            if not self.deferred and self.tier is not None:
+                self.tier.prefetch(u)  # its update follows the landing on the worker
 
         def land() -> None:
             host = self.backend.wait_host(transfer)
@@ -436,6 +451,8 @@ class SwapEngine:
                 else:  # never apply a non-finite gradient; the rest of the step goes on
                     self.skipped_units += 1
                     log.warning("non-finite gradient in unit %d: its update is skipped", u)
+                    with self.store.paged_in(u, dirty=False):
+                        pass  # the prefetched state goes back unchanged
                     buf.ready.set()
             else:
                 self._update(u, 1.0, lr)
@@ -454,7 +471,7 @@ class SwapEngine:
 
     def _update(self, u: int, coef: float, lr: float) -> None:
         buf = self.store.buffers[u]
-        with buf.lock:
+        with self.store.paged_in(u), buf.lock:
             self.optimizers[u].step(lr, coef)
             self.store.refresh_compute(u)
         buf.ready.set()
@@ -482,6 +499,8 @@ class SwapEngine:
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
         for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
+            if self.tier is not None:
+                self.tier.prefetch(u)  # reads run ahead of the worker, in its order
             self.worker.submit(lambda u=u, lr=self._lr: self._update(u, coef, lr))
         return StepResult(loss=loss, grad_norm=total)
 
@@ -539,7 +558,7 @@ class SwapEngine:
         for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
             # One consistent snapshot per unit: peers may merge into master between steps,
             # under this lock, so copy weights and state while holding it (one unit of RAM).
-            with buf.lock:
+            with self.store.paged_in(u, dirty=False), buf.lock:
                 master = self.store.read_master(u)
                 states = {key: opt.state_flat(key) for key in STATE_KEYS}
             tensors = dict(buf.spec.owned_views(master))
@@ -550,19 +569,35 @@ class SwapEngine:
             yield f"unit_{buf.spec.index:03d}", tensors
 
     def optimizer_steps(self) -> int:
+        """Updates applied so far. Waits for the host worker: right after train_step the
+        last step's updates may still be queued (a checkpoint's meta read the count before
+        its tensors and resumed with Adam's bias correction one step behind)."""
+        self.wait_idle()
         return self.optimizers[0].steps
+
+    def clip_state(self) -> dict:
+        """What swap.update=eager carries from one step to the next (the previous step's
+        norm and the clip coefficient it set), for checkpoints: without it a resumed eager
+        run clips its first step differently from the run that never stopped."""
+        self.wait_idle()
+        return {"eager_norm": self._eager_norm, "eager_coef": self._eager_coef}
+
+    def load_clip_state(self, state: dict) -> None:
+        if state:
+            self._eager_norm = state.get("eager_norm")
+            self._eager_coef = float(state.get("eager_coef", 1.0))
 
     def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
         """Copy weights (and optimizer state) from a checkpoint, by model name."""
         self.wait_idle()
         for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
-            with buf.lock:
-                self.store.write_master(u, self._gather(buf.spec, get, ""))
+            with self.store.paged_in(u), buf.lock:
+                self.store.load_master(u, get)
                 if has_optim:
                     for key in STATE_KEYS:
                         flat = self._gather(buf.spec, get, f"optim.{key}.")
                         opt.load_state_flat(key, flat, steps)
-        self.store.refresh_all()
+                self.store.refresh_compute(u)
 
     @staticmethod
     def _gather(spec: UnitSpec, get: Callable[[str], torch.Tensor], prefix: str) -> torch.Tensor:
@@ -581,3 +616,5 @@ class SwapEngine:
         finally:
             self.worker.close()
             self.backend.close()
+            if self.tier is not None:
+                self.tier.close()

@@ -11,11 +11,16 @@ Per unit:
   ready    set when the host optimizer is done with the unit, so an H2D copy never reads
            a half-updated buffer
   lock     held while master is written (optimizer step, loading, peer averaging)
+
+With a disk tier (swap.disk_dir, atom/swap/disk_tier.py) master and comp are placeholders
+that point into a RAM slot only while the unit is paged in (`paged`), and compute is always
+its own buffer: what stays in RAM is compute and grad.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -48,25 +53,33 @@ class HostStore:
         backend: Backend,
         compute_dtype: torch.dtype,
         state: str = "fp32",
+        paged: bool = False,
     ):
         self.units = units
         self.compute_dtype = compute_dtype
         self.compact = state == "compact"
         self.master_dtype = torch.bfloat16 if self.compact else torch.float32
+        self.paged = paged
+        self.tier = None  # the DiskTier, when paged (set by the engine once it is built)
         self.buffers: list[UnitBuffers] = []
         # what crosses the bus, asked for at once: one pinned arena on CUDA. master is that
         # buffer when it doubles as the compute copy (same dtype, no tied aliases).
-        shares = [compute_dtype == self.master_dtype and u.n_total == u.n_owned for u in units]
+        shares = [
+            compute_dtype == self.master_dtype and u.n_total == u.n_owned and not paged
+            for u in units
+        ]
         bus = backend.alloc_host_many(
             [
                 (u.n_owned, self.master_dtype) if same else (u.n_total, compute_dtype)
                 for u, same in zip(units, shares, strict=True)
             ]
         )
+        cold = 0 if paged else None  # paged: placeholders until the tier points them
         for spec, same, on_bus in zip(units, shares, bus, strict=True):
-            master = on_bus if same else torch.empty(spec.n_owned, dtype=self.master_dtype)
+            n = spec.n_owned if cold is None else cold
+            master = on_bus if same else torch.empty(n, dtype=self.master_dtype)
             grad = torch.zeros(spec.n_total, dtype=self.master_dtype)
-            comp = torch.zeros(spec.n_owned, dtype=torch.bfloat16) if self.compact else None
+            comp = torch.zeros(n, dtype=torch.bfloat16) if self.compact else None
             buf = UnitBuffers(spec, master, grad, on_bus, comp)
             buf.ready.set()
             self.buffers.append(buf)
@@ -74,14 +87,27 @@ class HostStore:
     def __len__(self) -> int:
         return len(self.buffers)
 
+    @contextmanager
+    def paged_in(self, index: int, dirty: bool = True):
+        """Unit's master (and, through the tier, its optimizer state) in RAM for the body;
+        written back afterwards if `dirty`. A no-op without a disk tier."""
+        if self.tier is None:
+            yield
+            return
+        self.tier.acquire(index)
+        try:
+            yield
+        finally:
+            self.tier.release(index, dirty)
+
     def init_weights(self, cfg: ModelConfig, seed: int) -> None:
         for i, buf in enumerate(self.buffers):
-            values = torch.empty(buf.spec.n_owned) if self.compact else buf.master
+            values = torch.empty(buf.spec.n_owned)
             for name, view in buf.spec.owned_views(values).items():
                 init_parameter(name, view, cfg, seed)
-            if self.compact:
+            with self.paged_in(i):
                 self.write_master(i, values)
-        self.refresh_all()
+                self.refresh_compute(i)
 
     # Master as fp32 values, whatever the layout. Callers that race the optimizer or a
     # peer merge hold the unit's lock.
@@ -99,6 +125,19 @@ class HostStore:
         buf.master.copy_(values)
         if self.compact:
             buf.comp.copy_(values - buf.master.float())
+
+    def load_master(self, index: int, get) -> None:
+        """Set the unit's weights from `get(name)` (a checkpoint's fp32 tensors), one
+        tensor at a time: fp32 master takes them in place, with no unit-sized copy."""
+        buf = self.buffers[index]
+        if not self.compact:
+            for name, view in buf.spec.owned_views(buf.master).items():
+                view.copy_(get(name))
+            return
+        values = torch.empty(buf.spec.n_owned)
+        for name, view in buf.spec.owned_views(values).items():
+            view.copy_(get(name))
+        self.write_master(index, values)
 
     def add_master(self, index: int, delta: torch.Tensor) -> None:
         if self.compact:
@@ -134,10 +173,14 @@ class HostStore:
                     )
 
     def named_master(self) -> dict[str, torch.Tensor]:
-        """fp32 weights by model name: views into master (copies when compact)."""
+        """fp32 weights by model name: views into master (copies when compact or paged)."""
         out: dict[str, torch.Tensor] = {}
         for i, buf in enumerate(self.buffers):
-            values = self.read_master(i) if self.compact else buf.master
+            if self.compact or self.paged:
+                with self.paged_in(i, dirty=False):
+                    values = self.read_master(i)
+            else:
+                values = buf.master
             out.update(buf.spec.owned_views(values))
         return out
 

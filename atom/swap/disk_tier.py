@@ -1,0 +1,281 @@
+"""DiskTier: each unit's cold state (master weights, optimizer moments) in a file on a
+user-given directory (`swap.disk_dir`), paged into a few RAM slots around its update.
+
+What stays in RAM all the time is what a step touches every pass: the compute-dtype copy
+that crosses the bus and the gradient. What a unit needs only for its update (master, and
+Adam's moments, 12 bytes per parameter in fp32 state, 6 in compact state) lives on disk,
+read ahead of the update on a reader thread and written back behind it on a writer thread,
+so the host worker that runs updates finds it in RAM and the I/O overlaps the updates of
+other units, as the H2D copies overlap compute.
+
+Mechanism: a unit's cold tensors are tensor *objects* that the optimizer and the host
+store hold on to (a torch AdamW's params and state, CompactAdamW's codes, master). Paging
+a unit in re-points them (`Tensor.set_`) into a slot; paging it out re-points them to an
+empty storage, so a stray use fails instead of reading stale memory. One record per unit,
+regions aligned to 4 KiB, one file per unit, preallocated; O_DIRECT where the filesystem
+supports it (so a benchmark measures the disk, not the page cache), buffered otherwise.
+
+The tier is working state, not a checkpoint: checkpoints are written from it (each unit
+paged in, copied out) in the usual format, and a run resumes from a checkpoint, so a crash
+in the middle of a tier write loses nothing that a resume needs. Its directory is removed
+on close; one left by a killed run is removed by the next run that finds its process gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from atom.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # O_DIRECT wants block-aligned buffers, offsets and lengths
+PREFIX = "atom-tier-"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class Region:
+    """One contiguous run of a record: `numel` elements of `dtype`, and the tensor objects
+    that view it (each at an element offset, with a shape)."""
+
+    dtype: torch.dtype
+    numel: int
+    views: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(default_factory=list)
+
+
+class UnitRecord:
+    """The layout of one unit's cold state."""
+
+    def __init__(self, regions: list[Region]):
+        self.regions: list[tuple[Region, int]] = []
+        offset = 0
+        for region in regions:
+            self.regions.append((region, offset))
+            offset = _aligned(offset + region.numel * region.dtype.itemsize)
+        self.nbytes = max(offset, ALIGN)
+
+    def point_into(self, storage: torch.UntypedStorage, base: int) -> None:
+        for region, offset in self.regions:
+            elem = region.dtype.itemsize
+            for tensor, at, shape in region.views:
+                stride = torch.empty(shape, device="meta").stride()
+                tensor.set_(storage, (base + offset) // elem + at, shape, stride)
+
+    def point_away(self) -> None:
+        for region, _ in self.regions:
+            for tensor, _, _ in region.views:
+                tensor.set_(torch.empty(0, dtype=tensor.dtype).untyped_storage(), 0, (0,), (1,))
+
+
+def _remove_stale(directory: Path) -> None:
+    """Tier directories of runs whose process is gone (killed, crashed)."""
+    for entry in directory.glob(PREFIX + "*"):
+        try:
+            pid = int(entry.name[len(PREFIX) :].split("-")[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive: another run's
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        log.info("removed %s left by a run that is gone", entry)
+
+
+class DiskTier:
+    """Records on disk, `n_slots` of them in RAM at a time.
+
+    prefetch(u) queues a read (in the order updates will ask); acquire(u) waits until u is
+    in a slot (reading it now if nobody asked before); release(u, dirty) queues the write
+    back (if dirty) and frees the slot once it is on disk. Reads of a unit wait for its
+    pending write, so a unit never comes back older than it went out."""
+
+    def __init__(self, directory: str | Path, records: list[UnitRecord], n_slots: int = 3):
+        root = Path(directory).expanduser()
+        if not root.is_dir():
+            raise ConfigError(
+                f"swap.disk_dir {root} is not a directory; create it or point swap.disk_dir "
+                "at a directory on a fast disk"
+            )
+        _remove_stale(root)
+        self.records = records
+        total = sum(r.nbytes for r in records)
+        free = shutil.disk_usage(root).free
+        if total > free:
+            raise ConfigError(
+                f"swap.disk_dir {root} has {free / 2**30:.1f} GiB free but the disk tier needs "
+                f"{total / 2**30:.1f} GiB; free space there or choose another directory"
+            )
+        self.dir = root / f"{PREFIX}{os.getpid()}-{id(self):x}"
+        self.dir.mkdir()
+        self.direct = False
+        self._fds = [self._create(i, r.nbytes) for i, r in enumerate(records)]
+        slot_bytes = max(r.nbytes for r in records)
+        # anonymous mmap: page-aligned, as O_DIRECT needs
+        self._mem = [mmap.mmap(-1, slot_bytes) for _ in range(max(2, n_slots))]
+        self._tensors = [torch.frombuffer(m, dtype=torch.uint8) for m in self._mem]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(len(self._mem)):
+            self._free.put(i)
+        self._lock = threading.Lock()
+        self._slot_of: dict[int, int] = {}  # unit -> slot, once its read is done
+        self._loaded: dict[int, threading.Event] = {}  # unit -> read done
+        self._written: dict[int, threading.Event] = {}  # unit -> its last write done
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._threads = [
+            threading.Thread(target=self._reader, name="atom-tier-read", daemon=True),
+            threading.Thread(target=self._writer, name="atom-tier-write", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        for record in records:
+            record.point_away()
+
+    @property
+    def slot_bytes(self) -> int:
+        return len(self._mem) * len(self._mem[0])
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def _create(self, index: int, nbytes: int) -> int:
+        path = self.dir / f"unit_{index:03d}.bin"
+        flags = os.O_RDWR | os.O_CREAT
+        fd = -1
+        if hasattr(os, "O_DIRECT") and (index == 0 or self.direct):
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+            except OSError:  # tmpfs and some filesystems refuse O_DIRECT
+                fd = -1
+        if fd < 0:
+            fd = os.open(path, flags, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # reserved now: no ENOSPC mid-run; reads zeros
+        except OSError as err:
+            os.close(fd)
+            raise ConfigError(
+                f"cannot reserve {nbytes / 2**20:.0f} MiB in {self.dir} ({err.strerror}); "
+                "free space there or choose another swap.disk_dir"
+            ) from None
+        return fd
+
+    # ------------------------------------------------------------------ threads
+    def _reader(self) -> None:
+        while True:
+            unit = self._reads.get()
+            if unit is None:
+                return
+            try:
+                self._written[unit].wait()
+                slot = self._free.get()
+                nbytes = self.records[unit].nbytes
+                if self.error is None:
+                    view = memoryview(self._mem[slot])[:nbytes]
+                    got = os.preadv(self._fds[unit], [view], 0)
+                    if got != nbytes:
+                        raise OSError(f"short read of unit {unit}: {got} of {nbytes} bytes")
+                    self.bytes_read += nbytes
+                with self._lock:
+                    self._slot_of[unit] = slot
+            except BaseException as err:  # surfaced by acquire()
+                self.error = err
+                log.exception("disk tier read failed")
+            finally:
+                self._loaded[unit].set()
+
+    def _writer(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            unit, slot, dirty = item
+            try:
+                if dirty and self.error is None:
+                    nbytes = self.records[unit].nbytes
+                    view = memoryview(self._mem[slot])[:nbytes]
+                    written = os.pwrite(self._fds[unit], view, 0)
+                    if written != nbytes:
+                        raise OSError(f"short write of unit {unit}: {written} of {nbytes} bytes")
+                    self.bytes_written += nbytes
+            except BaseException as err:
+                self.error = err
+                log.exception("disk tier write failed")
+            finally:
+                self._free.put(slot)
+                self._written[unit].set()
+
+    # ------------------------------------------------------------------ API
+    def prefetch(self, unit: int) -> None:
+        """Queue unit's read; reads run in the order asked, so ask in update order."""
+        with self._lock:
+            if unit in self._loaded:
+                return  # queued or resident
+            self._loaded[unit] = threading.Event()
+            self._written.setdefault(unit, _done_event())
+        self._reads.put(unit)
+
+    def acquire(self, unit: int) -> None:
+        """Block until unit's cold tensors point into a RAM slot."""
+        self.prefetch(unit)
+        self._loaded[unit].wait()
+        if self.error is not None:
+            raise RuntimeError("the disk tier failed (see the log)") from self.error
+        with self._lock:
+            slot = self._slot_of[unit]
+        self.records[unit].point_into(self._tensors[slot].untyped_storage(), 0)
+
+    def release(self, unit: int, dirty: bool = True) -> None:
+        """Unit is done with: write it back (if changed), then free its slot."""
+        with self._lock:
+            slot = self._slot_of.pop(unit)
+            del self._loaded[unit]
+            self._written[unit] = threading.Event()
+        self.records[unit].point_away()
+        self._writes.put((unit, slot, dirty))
+
+    def flush(self) -> None:
+        """Wait for every queued write."""
+        for event in list(self._written.values()):
+            event.wait()
+        if self.error is not None:
+            raise RuntimeError("the disk tier failed (see the log)") from self.error
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._reads.put(None)
+            self._writes.put(None)
+            for t in self._threads:
+                t.join(timeout=30)
+            for fd in self._fds:
+                os.close(fd)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _done_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event

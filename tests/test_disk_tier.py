@@ -1,0 +1,205 @@
+"""The NVMe tier (swap.disk_dir): units' master weights and optimizer moments in files,
+paged into RAM slots around their updates.
+
+    pytest tests/test_disk_tier.py
+
+Training with the tier is bit-identical to training with everything in RAM (fp32 and
+compact state, every update mode and order), also when the disk is slow; checkpoints move
+between tiers; a run killed mid-write resumes from its checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from atom.config import ConfigError
+from atom.optim import lr_at
+from atom.swap import disk_tier
+from atom.swap.backend import CpuBackend
+from atom.swap.engine import SwapEngine
+from atom.train import Trainer
+from tests.conftest import tiny_config
+from tests.test_swap_equivalence import batches_for
+
+STEPS = 4
+
+
+def run(cfg, steps: int = STEPS, engine: SwapEngine | None = None, start: int = 0):
+    engine = engine or SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        losses = [
+            engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
+            for s in range(start, start + steps)
+        ]
+        return losses, engine.named_parameters(), engine
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "swap,train",
+    [
+        ({}, {}),  # exact: updates after the global norm, in forward order
+        ({"update": "eager"}, {}),
+        ({}, {"grad_clip": 0.0}),  # each unit updates as its gradient lands
+        ({"order": "micro"}, {"grad_accum": 2}),
+        ({"order": "unit", "layers_per_unit": 2}, {"grad_accum": 2}),
+        ({"state": "compact"}, {}),
+        ({"state": "compact", "update": "eager", "disk_slots": 2}, {}),
+    ],
+    ids=["exact", "eager", "noclip", "micro-accum", "unit-accum-2lpu", "compact", "compact-eager"],
+)
+def test_disk_tier_trains_bit_identically(tmp_path, swap, train):
+    cfg = tiny_config(swap=swap, train=train)
+    ram_losses, ram_params, _ = run(cfg)
+    on_disk = tiny_config(swap={**swap, "disk_dir": str(tmp_path)}, train=train)
+    disk_losses, disk_params, engine = run(on_disk)
+    assert disk_losses == ram_losses
+    for name, p in ram_params.items():
+        assert torch.equal(disk_params[name], p), name
+    # the cold state really lived on disk: every update read and wrote its unit
+    n_units = len(engine.units)
+    assert engine.tier.bytes_written >= STEPS * n_units * min(r.nbytes for r in engine.tier.records)
+    assert not any(tmp_path.iterdir())  # the tier's directory is gone after close
+
+
+def test_master_and_moments_are_not_in_ram(tmp_path):
+    cfg = tiny_config(swap={"disk_dir": str(tmp_path)}, model={"tie_embeddings": False})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        engine.wait_idle()
+        assert all(b.master.numel() == 0 for b in engine.store.buffers)  # paged out
+        n = sum(b.spec.n_owned for b in engine.store.buffers)
+        on_disk = sum(r.nbytes for r in engine.tier.records)
+        assert on_disk >= 12 * n  # master + two moments, fp32
+        # RAM: the bus copy and the gradient (fp32 on the CPU backend), 8 bytes a parameter
+        assert engine.store.nbytes() == 8 * n
+    finally:
+        engine.close()
+
+
+def test_slow_writes_never_let_a_unit_come_back_stale(tmp_path, monkeypatch):
+    """Writes that take longer than a step: the next read of a unit must wait for its own
+    write-back, or it would train on last step's weights."""
+    real = os.pwrite
+
+    def slow(fd, data, offset):
+        time.sleep(0.01)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(disk_tier.os, "pwrite", slow)
+    cfg = tiny_config(train={"grad_clip": 0.0})
+    want, _, _ = run(cfg, steps=3)
+    got, _, _ = run(tiny_config(train={"grad_clip": 0.0}, swap={"disk_dir": str(tmp_path)}), 3)
+    assert got == want
+
+
+@pytest.mark.parametrize("direction", ["ram-to-disk", "disk-to-ram"])
+def test_checkpoints_move_between_tiers(tmp_path, direction):
+    from atom.checkpoint import load_checkpoint, save_checkpoint
+
+    ram = tiny_config()
+    disk = tiny_config(swap={"disk_dir": str(tmp_path / "tier")})
+    (tmp_path / "tier").mkdir()
+    first, second = (ram, disk) if direction == "ram-to-disk" else (disk, ram)
+    a = SwapEngine(first, CpuBackend(), torch.float32)
+    try:
+        for s in range(3):
+            a.train_step(batches_for(s, first), lr_at(s, first.train))
+        path = save_checkpoint(tmp_path / "run", 3, a.state_files(), {"optimizer_steps": 3})
+        tail = [a.train_step(batches_for(s, first), lr_at(s, first.train)).loss for s in (3, 4)]
+    finally:
+        a.close()
+    b = SwapEngine(second, CpuBackend(), torch.float32, init=False)
+    b.load_state(load_checkpoint(path).get, True, 3)
+    resumed, _, _ = run(second, steps=2, engine=b, start=3)
+    assert resumed == tail
+
+
+def test_bad_disk_dir_is_one_clear_line(tmp_path, monkeypatch):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match="not a directory"):
+        SwapEngine(tiny_config(swap={"disk_dir": str(missing)}), CpuBackend(), torch.float32)
+    monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda p: type("U", (), {"free": 1024})())
+    with pytest.raises(ConfigError, match="GiB free but the disk tier needs"):
+        SwapEngine(tiny_config(swap={"disk_dir": str(tmp_path)}), CpuBackend(), torch.float32)
+
+
+def test_a_dead_runs_tier_directory_is_removed(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = tmp_path / f"{disk_tier.PREFIX}{child.pid}-abc"
+    stale.mkdir()
+    (stale / "unit_000.bin").write_bytes(b"\0" * 10)
+    mine = tmp_path / f"{disk_tier.PREFIX}{os.getpid()}-def"  # a live process's: kept
+    mine.mkdir()
+    engine = SwapEngine(tiny_config(swap={"disk_dir": str(tmp_path)}), CpuBackend(), torch.float32)
+    engine.close()
+    assert not stale.exists() and mine.exists()
+
+
+def test_disk_tier_refuses_peers_and_resident():
+    with pytest.raises(ConfigError, match="peers"):
+        tiny_config(swap={"disk_dir": "/tmp"}, gossip={"listen": "tcp://127.0.0.1:0"})
+    with pytest.raises(ConfigError, match="--resident"):
+        Trainer(tiny_config(swap={"disk_dir": "/tmp"}), "/tmp/unused-run", resident=True)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kill_during_tier_writes_then_resume_equals_uninterrupted(tmp_path, text_dataset):
+    """SIGKILL a disk-tier run while it trains (every unit update is a tier write, so the
+    kill lands among them), resume from its last checkpoint: the losses after the
+    checkpoint are those of a run that was never killed."""
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    sets = [
+        f"train.data={text_dataset}",
+        "train.max_steps=40",
+        "train.ckpt_interval=5",
+        "train.eval_interval=0",
+        "model.n_layer=2",
+        "model.seq_len=32",
+        f"swap.disk_dir={tier}",
+    ]
+
+    def argv(out, *extra):
+        cmd = [sys.executable, "-m", "atom.cli", "train", "--out", str(out), "--no-progress"]
+        for item in sets:
+            cmd += ["--set", item]
+        return cmd + list(extra)
+
+    full = tmp_path / "full"
+    subprocess.run(argv(full), check=True, capture_output=True, timeout=300)
+    killed = tmp_path / "killed"
+    child = subprocess.Popen(argv(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(killed.glob("checkpoints/step_*")):
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.01)
+        time.sleep(0.3)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert any(tier.iterdir())  # the killed run left its tier directory behind
+    subprocess.run(
+        argv(killed, "--resume", str(killed)), check=True, capture_output=True, timeout=300
+    )
+
+    def losses(run_dir):
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    got, want = losses(killed), losses(full)
+    assert set(got) == set(want)
+    assert got == want
+    assert not any(tier.iterdir())  # the stale directory was removed, the resumed run's too
