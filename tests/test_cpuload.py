@@ -32,11 +32,32 @@ def test_a_process_that_is_not_ours_counts_as_foreign():
     assert any("python" in name for name in load.top), load.top
 
 
+def _others_cpu_s() -> float:
+    """CPU seconds of every process alive now that is not this one (or its children)."""
+    import psutil
+
+    mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    total = 0.0
+    for p in psutil.process_iter():
+        if p.pid in mine:
+            continue
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except (psutil.Error, OSError):
+            pass
+    return total
+
+
 def test_our_own_work_and_waited_children_are_not_foreign():
+    """Our 1.4 s of CPU must not show up as foreign; what other users burn meanwhile may
+    (measured beside it, so the test holds on a busy machine too)."""
+    before = _others_cpu_s()
     with ForeignLoad(name_processes=False) as load:
         t = time.process_time()
         while time.process_time() - t < 0.7:  # this process burns 0.7 s
             pass
         subprocess.run([sys.executable, "-c", BURN.format(s=0.7)], check=True, timeout=60)
-    # 1.4 s of CPU was ours; only interpreter start-up noise and other users may remain
-    assert load.cpu_s < 0.5, load.cpu_s
+    others = _others_cpu_s() - before
+    # only interpreter start-up noise (and processes that ended meanwhile) may remain
+    assert load.cpu_s < others + 0.5, (load.cpu_s, others)

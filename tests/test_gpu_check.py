@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path, monkeypatch):
     assert gpu_check.main([str(tmp_path / "report"), "--dry-run"]) == 0
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"env", "bandwidth", "tests", "equivalence", "fits", "big",
+    assert set(sections) == {"env", "bandwidth", "tests", "equivalence", "fits", "tiers", "big",
                              "deepspeed"}  # fmt: skip
     assert report["failed"] == []
     assert sections["equivalence"]["worst_fp32_rel_err"] <= 1e-5
@@ -30,4 +30,6 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path, monkeypatch):
         ("unit", "eager"),
         ("micro", "exact"),
     }
+    tiers = sections["tiers"]["rows"]
+    assert [r.get("bit_identical") for r in tiers if r["state"] == "fp32" and r["disk"]] == [True]
     assert (tmp_path / "report" / "gpu_check.md").read_text().startswith("# gpu_check")

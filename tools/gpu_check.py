@@ -18,6 +18,8 @@ Sections:
   big          `atom profile` then training steps of a model that does not fit the
                --gpu-mem cap: tokens/s, step / max(compute, bus floor), H2D achieved/peak,
                device peak vs predicted, bytes moved per step
+  tiers        host state on this device: compact vs fp32 (loss tracks), the NVMe tier vs RAM
+               (bit-identical), step times side by side
   deepspeed    ZeRO-3 offload on the same model, cap and batch (only where DeepSpeed imports)
 """
 
@@ -340,6 +342,66 @@ def fits_section(dry: bool) -> dict:
     return {"rows": rows, "note": "the resident baseline recomputes when the swapped run does"}
 
 
+def tiers_section(dry: bool) -> dict:
+    """Where the host state lives (swap.state, swap.disk_dir), with this device's compute:
+    the NVMe tier must train bit-identically to RAM, compact state must track fp32."""
+    import tempfile
+
+    import torch
+
+    from atom.optim import lr_at
+    from atom.train import build_engine
+
+    device = "cpu" if dry else "cuda"
+    shape = {"n_layer": 4, "d_model": 256, "n_head": 4, "seq_len": 128}
+    rows, ref, ok = [], None, True
+    with tempfile.TemporaryDirectory() as tier:
+        for state in ("fp32", "compact"):
+            for disk in (None, tier):
+                cfg = _tiny(
+                    device,
+                    model=shape,
+                    train={"dtype": "fp32" if dry else "bf16"},
+                    swap={"state": state, "disk_dir": disk},
+                )
+                engine = build_engine(cfg)
+                try:
+                    losses, times = [], []
+                    for step in range(6):
+                        t0 = time.perf_counter()
+                        losses.append(
+                            engine.train_step(
+                                random_batches(cfg, step), lr_at(step, cfg.train)
+                            ).loss
+                        )
+                        engine.wait_idle()
+                        if not dry:
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+                    params = engine.named_parameters()
+                finally:
+                    engine.close()
+                row = {"state": state, "disk": bool(disk), "losses": losses,
+                       "step_s": statistics.median(times[1:])}  # fmt: skip
+                if ref is None:
+                    ref = (losses, params)
+                elif state == "fp32":  # the tier must not change a bit
+                    row["bit_identical"] = losses == ref[0] and all(
+                        torch.equal(params[n], p) for n, p in ref[1].items()
+                    )
+                    ok &= row["bit_identical"]
+                else:
+                    row["max_loss_rel_err_vs_fp32"] = max(
+                        abs(a - b) / b for a, b in zip(losses, ref[0], strict=True)
+                    )
+                    ok &= row["max_loss_rel_err_vs_fp32"] < 0.02
+                rows.append(row)
+    compact_ram = next(r for r in rows if r["state"] == "compact" and not r["disk"])["losses"]
+    compact_disk = next(r for r in rows if r["state"] == "compact" and r["disk"])["losses"]
+    ok &= compact_ram == compact_disk
+    return {"status": "ok" if ok else "FAILED", "rows": rows}
+
+
 def big_section(
     dry: bool, config: str, gpu_mem: str, batch: int, steps: int, overrides: list[str]
 ) -> dict:
@@ -473,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tests", tests_section, args.dry_run),
         ("equivalence", equivalence_section, args.dry_run),
         ("fits", fits_section, args.dry_run),
+        ("tiers", tiers_section, args.dry_run),
         ("big", big_section, args.dry_run, *model_args),
         ("deepspeed", deepspeed_section, args.dry_run, *model_args),
     ]
