@@ -23,8 +23,9 @@ Why these choices:
   flush to zero at the same gradient size (v itself would flush at the square root of it,
   and a zero denominator under a live m is a huge update).
 - Decoding float8 with torch's own conversion measured ~1.7 ns per element on this CPU
-  (not vectorised); re-biasing the bits into float16 and converting that is ~5x faster and
-  exact for every code, subnormals included (tests/test_compact_adamw.py checks all 256).
+  (not vectorised); re-biasing the bits into float16 (int16 ops) and converting that is
+  ~5x faster and exact for every code, subnormals included (tests/test_compact_adamw.py
+  checks all 256).
 - Temporaries are fp32 chunks of CHUNK elements, so a unit of any size is updated with a
   few MiB of scratch, in passes that stay in cache.
 
@@ -52,12 +53,17 @@ def padded(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+SCRATCH_BUFFERS = 6  # five fp32 operands of a chunk's update, one for the codec
+
+
 class ChunkScratch:
     """fp32 temporaries for one chunk, shared by the unit optimizers of one engine (its
-    host worker runs one update at a time)."""
+    host worker runs one update at a time). Every temporary of an update lives here: a
+    fresh chunk-sized tensor per operation measured several times slower (each is a new
+    mapping of pages to fault in)."""
 
     def __init__(self, largest: int):
-        self._buf = [torch.empty(min(CHUNK, padded(largest))) for _ in range(5)]
+        self._buf = [torch.empty(min(CHUNK, padded(largest))) for _ in range(SCRATCH_BUFFERS)]
 
     @property
     def nbytes(self) -> int:
@@ -67,23 +73,36 @@ class ChunkScratch:
         return [t[:span] for t in self._buf]
 
 
-def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def encode(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tmp: torch.Tensor | None = None
+) -> None:
     """fp32 x (a multiple of BLOCK long) -> uint8 codes (float8 e4m3 bits) and one fp32
-    scale per block, with |x| / scale <= 448 (the largest e4m3 value)."""
-    blocks = x.view(-1, BLOCK)
-    torch.amax(blocks.abs(), dim=1, out=scales)
+    scale per block, with |x| / scale <= 448 (the largest e4m3 value). `tmp`: fp32 scratch
+    as long as x."""
+    tmp = torch.empty_like(x) if tmp is None else tmp
+    blocks, work = x.view(-1, BLOCK), tmp.view(-1, BLOCK)
+    torch.amax(torch.abs(blocks, out=work), dim=1, out=scales)
     scales.clamp_(min=_TINY).div_(F8_MAX)
-    codes.view(F8).view(-1, BLOCK).copy_(blocks / scales.unsqueeze(1))
+    torch.div(blocks, scales.unsqueeze(1), out=work)
+    codes.view(F8).copy_(tmp)
 
 
-def decode(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def decode(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, tmp: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 codes + scales -> fp32 `out`. The e4m3 bits (sign, 4 exponent, 3 mantissa)
     placed at float16's sign and top exponent/mantissa bits give the same number times
-    2^-8 (float16's exponent bias is 8 more), subnormals included."""
-    bits = codes.to(torch.int32)
-    half = ((bits & 0x7F) << 7) | ((bits & 0x80) << 8)
+    2^-8 (float16's exponent bias is 8 more), subnormals included; the bit work is in int16
+    (a shift into the sign bit wraps, as C++20 defines it). `tmp`: fp32 scratch as long as
+    out, which holds the two int16 temporaries."""
+    n = out.numel()
+    tmp = torch.empty_like(out) if tmp is None else tmp
+    a, b = tmp.view(torch.int16)[:n], tmp.view(torch.int16)[n : 2 * n]
+    a.copy_(codes)
+    torch.bitwise_and(a, 0x80, out=b).bitwise_left_shift_(8)  # sign
+    a.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(b)  # exponent and mantissa
     blocks = out.view(-1, BLOCK)
-    blocks.copy_(half.to(torch.int16).view(torch.float16).view(-1, BLOCK))
+    blocks.copy_(a.view(torch.float16).view(-1, BLOCK))
     blocks.mul_(scales.unsqueeze(1) * 256.0)
     return out
 
@@ -153,13 +172,13 @@ class CompactAdamW:
         rbc2 = 1 / math.sqrt(1 - b2**self.steps)
         for start, n, span in self._chunks():
             end, blocks = start + n, slice(start // BLOCK, (start + span) // BLOCK)
-            p0, g, m, s, work = self.scratch.views(span)
+            p0, g, m, s, work, tmp = self.scratch.views(span)
             g[:n].copy_(self.grad[start:end])
             g[n:].zero_()  # padding: zero gradient keeps its moments at zero
             if coef != 1.0:
                 g.mul_(coef)
-            decode(self.m_codes[start : start + span], self.m_scales[blocks], m)
-            decode(self.s_codes[start : start + span], self.s_scales[blocks], s)
+            decode(self.m_codes[start : start + span], self.m_scales[blocks], m, tmp)
+            decode(self.s_codes[start : start + span], self.s_scales[blocks], s, tmp)
             m.lerp_(g, 1 - b1)
             s.mul_(s).mul_(b2).addcmul_(g, g, value=1 - b2).sqrt_()
             # the update, as torch's AdamW: -lr*wd*p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
@@ -171,11 +190,12 @@ class CompactAdamW:
                 work[:decayed].add_(p0[:decayed], alpha=-lr * cfg.weight_decay)
             # Kahan: add what earlier roundings dropped, round to bf16, keep what this drops
             work[:n].add_(self.comp[start:end])
-            self.master[start:end].copy_(p0[:n] + work[:n])  # rounds to nearest bf16
+            torch.add(p0[:n], work[:n], out=g[:n])
+            self.master[start:end].copy_(g[:n])  # rounds to nearest bf16
             g[:n].copy_(self.master[start:end]).sub_(p0[:n])  # what was actually added
             self.comp[start:end].copy_(work[:n].sub_(g[:n]))
-            encode(m, self.m_codes[start : start + span], self.m_scales[blocks])
-            encode(s, self.s_codes[start : start + span], self.s_scales[blocks])
+            encode(m, self.m_codes[start : start + span], self.m_scales[blocks], tmp)
+            encode(s, self.s_codes[start : start + span], self.s_scales[blocks], tmp)
 
     # ------------------------------------------------------------------ checkpoints
     def state_flat(self, key: str) -> torch.Tensor | None:

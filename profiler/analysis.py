@@ -143,12 +143,13 @@ class ModelAnalysis:
         that copy (same dtype, no tied aliases), and the gradient of tied aliases.
         disk (swap.disk_dir): master and moments live on disk; RAM keeps the bus copy and
         the gradient of every unit, and `disk_slots` records of the largest unit."""
-        from atom.compact_adamw import BLOCK, CHUNK, padded
+        from atom.compact_adamw import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
 
         compact = state == "compact"
         master_dtype = torch.bfloat16 if compact else torch.float32
         grads = sum(u.n_total for u in self.units) * dtype_bytes(master_dtype)
-        scratch = 5 * min(CHUNK, padded(max(u.n_owned for u in self.units))) * 4 if compact else 0
+        largest = max(u.n_owned for u in self.units)
+        scratch = SCRATCH_BUFFERS * min(CHUNK, padded(largest)) * 4 if compact else 0
         if disk:
             copies = sum(u.n_total for u in self.units) * dtype_bytes(dtype)
             return int(
