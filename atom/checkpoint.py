@@ -102,6 +102,9 @@ def save_checkpoint(
         _write_json(tmp / META_NAME, doc)
         _fsync_dir(tmp)
         replaced = _publish(tmp, final)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_failed(err, final, root) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -121,6 +124,28 @@ def save_checkpoint(
         time.monotonic() - started,
     )
     return final
+
+
+# what a user can do about a save that the system refused
+_SAVE_FIXES = {
+    errno.ENOSPC: "free space on that disk or lower train.keep_checkpoints",
+    errno.EDQUOT: "free space in your quota or lower train.keep_checkpoints",
+    errno.EMFILE: "raise the open-file limit (ulimit -n) or run fewer peers in this process",
+    errno.ENFILE: "the system is out of file handles: close other programs",
+    errno.EROFS: "the disk is read-only: train with another --out",
+    errno.EACCES: "make the run directory writable, or train with another --out",
+}
+
+
+def _save_failed(err: OSError, final: Path, root: Path) -> CheckpointError:
+    """One line: what failed, what is still safe, what to do. A system refusal (disk full,
+    too many open files) is the user's to fix; the half-written directory is gone."""
+    kept = [p for p in list_checkpoints(root) if p != final]
+    safe = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint"
+    fix = _SAVE_FIXES.get(err.errno, "check the disk and the run directory")
+    return CheckpointError(
+        f"could not save checkpoint {final} ({err.strerror or err}); {safe}; {fix}"
+    )
 
 
 def _write_files(

@@ -16,7 +16,7 @@ from pathlib import Path
 from atom import simulate as simulate_command
 from atom.errors import AtomError, ConfigError, DataError
 from atom.gossip import commands as gossip_commands
-from atom.run_config import load_run_config
+from atom.run_config import load_run_config, resume_changes, resume_run_config
 
 USER_ERRORS = (AtomError,)
 
@@ -202,17 +202,33 @@ def cmd_train(args) -> int:
     from atom.train import Trainer, host_bytes_needed
 
     overrides = args.overrides + gossip_commands.train_overrides(args)
-    cfg = load_run_config(args.config, overrides, model=args.model)
-    if args.max_steps is not None:
-        if args.max_steps < 1:
-            raise ConfigError("--max-steps must be >= 1")
-        cfg.train.max_steps = args.max_steps
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError("--max-steps must be >= 1")
+    saved = None
+    if args.resume:
+        if args.config or args.model:
+            raise ConfigError(
+                "--resume continues with the config saved in the run: drop --config/--model "
+                "(change how it trains with --set train.KEY=VALUE)"
+            )
+        from atom.checkpoint import load_checkpoint
+
+        saved = load_checkpoint(Path(args.resume), verify=False).meta.get("config")
+    if saved is not None:
+        cfg = resume_run_config(saved, overrides, args.max_steps)
+    else:
+        cfg = load_run_config(args.config, overrides, model=args.model)
+        if args.max_steps is not None:
+            cfg.train.max_steps = args.max_steps
     plan = None
     if args.plan:
         from profiler.planner import Plan
 
         plan = Plan.load(Path(args.plan))
         cfg = plan.apply(cfg)
+    if saved is not None:
+        for change in resume_changes(saved, cfg):
+            print(f"atom: resuming with {change}", flush=True)
     out = _run_directory(args)
     if plan is None and not args.resident:
         print(
@@ -242,11 +258,19 @@ def cmd_train(args) -> int:
     host = host_bytes_needed(cfg, trainer.engine.dtype)[1]
     backend = getattr(trainer.engine, "backend", None)
     pinned = getattr(backend, "pinned_bytes", 0)
+    tier = getattr(trainer.engine, "tier", None)
     print(
         f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
         f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} [{mode}] "
         f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB"
-        + (f" ({pinned / 2**30:.2f} GiB of it pinned)" if pinned else ""),
+        + (f" ({pinned / 2**30:.2f} GiB of it pinned)" if pinned else "")
+        + (f", {cfg.swap.state} state" if cfg.swap.state != "fp32" else "")
+        + (
+            f"; {tier.disk_bytes / 2**30:.2f} GiB on disk in {tier.dir}"
+            f"{'' if tier.direct else ' (buffered: this filesystem refuses O_DIRECT)'}"
+            if tier
+            else ""
+        ),
         flush=True,
     )
     main_thread = threading.current_thread() is threading.main_thread()
@@ -254,7 +278,17 @@ def cmd_train(args) -> int:
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
-        print("atom: interrupted; checkpoint saved in " + str(out / "checkpoints"))
+        saved = trainer.interrupt_checkpoint
+        if saved is not None:
+            print(f"atom: interrupted; checkpoint saved: {saved}")
+        else:
+            from atom.checkpoint import list_checkpoints
+
+            kept = list_checkpoints(out)
+            print(
+                "atom: interrupted; no new checkpoint"
+                + (f" (the newest is {kept[-1]})" if kept else "")
+            )
         return 130
     finally:
         if main_thread:

@@ -60,11 +60,15 @@ class ResidentEngine:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def train_step(self, batches, lr: float) -> StepResult:
+    def train_step(self, batches, lr: float, stop=None) -> StepResult:
+        """`stop`: asked between micro-batches; abandons the step (KeyboardInterrupt)."""
         set_lr(self.opt, lr)
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for x, y in batches:
+            if stop is not None and stop():
+                self.opt.zero_grad(set_to_none=True)
+                raise KeyboardInterrupt
             x, y = x.to(self.device), y.to(self.device)
             counter = [0]
             with self._autocast(), self._counting_hooks(counter):

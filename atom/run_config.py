@@ -30,3 +30,56 @@ def load_run_config(
 
         check_config(cfg)
     return cfg
+
+
+# What a resumed run may not change: what its checkpoint is made of and from.
+_FIXED = {"model": "model config", "train.data": "data", "train.seed": "seed"}
+
+
+def resume_run_config(saved: dict, overrides: list[str], max_steps: int | None = None) -> Config:
+    """The config a resumed run continues with: the one saved in its checkpoint, with the
+    `--set` overrides (and --max-steps) named on the command line on top.
+
+    Extending a run past its planned schedule (--max-steps beyond the saved max_steps,
+    lr_decay_steps unset) keeps the schedule it was planned with: the LR has decayed to
+    min_lr by the old end and stays there, instead of jumping back up a cosine re-fitted
+    to the new length."""
+    before = Config.from_dict(saved)
+    data = apply_overrides(before.to_dict(), overrides)
+    if max_steps is not None:
+        data["train"]["max_steps"] = max_steps
+    cfg = Config.from_dict(data)
+    if cfg.train.lr_decay_steps is None and cfg.train.max_steps > before.train.max_steps:
+        cfg.train.lr_decay_steps = before.train.max_steps
+    return cfg
+
+
+def resume_changes(saved: dict, cfg: Config) -> list[str]:
+    """One line per value a resumed run changes against its saved config; a changed model,
+    data or seed is refused (ConfigError)."""
+    from atom.config import ConfigError
+
+    before, after = Config.from_dict(saved).to_dict(), cfg.to_dict()
+    changes = []
+    for section, values in after.items():
+        for key, value in values.items():
+            old, name = before[section][key], f"{section}.{key}"
+            if old == value:
+                continue
+            fixed = _FIXED.get(section) or _FIXED.get(name)
+            if fixed:
+                raise ConfigError(
+                    f"the run was trained with a different {fixed} ({name} {old!r}, not "
+                    f"{value!r}); --resume continues it as saved: drop that --set, or start "
+                    "a new run with another --out"
+                )
+            if name == "train.lr_decay_steps" and old is None:
+                changes.append(
+                    f"train.max_steps {before['train']['max_steps']} -> "
+                    f"{after['train']['max_steps']}: the LR keeps its planned decay over "
+                    f"{value} steps and stays at min_lr after it (--set "
+                    "train.lr_decay_steps=N plans another)"
+                )
+            elif name != "train.max_steps" or after["train"]["lr_decay_steps"] is not None:
+                changes.append(f"{name}: {old!r} -> {value!r}")
+    return changes

@@ -7,19 +7,22 @@ this loop only sees train_step / evaluate / state_files / load_state.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from atom.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from atom.config import Config, ConfigError, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
@@ -186,15 +189,25 @@ class Trainer:
                 )
             return ckpt.get(name)
 
-        has_optim = bool(meta.get("optimizer_steps"))
-        self.engine.load_state(get, has_optim, int(meta.get("optimizer_steps", 0)))
+        try:  # meta.json's small state: damage there is a one-line refusal, not a traceback
+            steps = int(meta.get("optimizer_steps", 0))
+            rng = meta.get("rng", {})
+            _set_rng_state(rng if isinstance(rng, dict) else {"torch": rng})
+            scale = meta.get("loss_scale")
+            scale = float(scale) if scale else None
+            clip = meta.get("clip") or {}
+            if not self.resident:
+                self.engine.load_clip_state(dict(clip))
+        except (ValueError, TypeError, RuntimeError, binascii.Error) as err:
+            older = [p for p in list_checkpoints(ckpt.path.parent) if p != ckpt.path]
+            fix = f"resume from an older one: --resume {older[-1]}" if older else "start anew"
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} has a corrupt state in meta.json ({err}); {fix}"
+            ) from None
+        self.engine.load_state(get, steps > 0, steps)
         self.start_step = ckpt.step
-        _set_rng_state(meta.get("rng", {}))
-        scale = meta.get("loss_scale")
         if scale and getattr(self.engine, "scaler", None) is not None and not self.resident:
-            self.engine.scaler.scale = float(scale)
-        if not self.resident:
-            self.engine.load_clip_state(meta.get("clip") or {})
+            self.engine.scaler.scale = scale
         log.info("resumed from %s at step %d", ckpt.path, self.start_step)
 
     def save(self, step: int) -> Path:
@@ -243,11 +256,8 @@ class Trainer:
             self.gossip.close()  # idempotent: goodbye, threads joined, sockets closed
 
     def run(self, max_steps: int | None = None) -> RunSummary:
-        from atom.optim import lr_at
-
         tc = self.cfg.train
         end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)
-        tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
         summary = RunSummary(steps=self.start_step)
         bar = tqdm(
             total=end,
@@ -257,86 +267,32 @@ class Trainer:
             dynamic_ncols=True,
             file=sys.stderr,
         )
-        last_saved_step = None
-        t_prev = time.perf_counter()
-        rates = []
-        try:
-            with self.metrics_path.open("a") as metrics, _SigintAtStepBoundary() as sigint:
-                for step in range(self.start_step, end):
-                    sigint.check()
-                    batches = [
-                        self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)
-                    ]
-                    lr = lr_at(step, tc)
-                    result = self.engine.train_step(batches, lr)
-                    now = time.perf_counter()
-                    dt, t_prev = now - t_prev, now
-                    rate = tokens_per_step / dt
-                    rates.append(rate)
-                    record = {
-                        "step": step + 1,
-                        "loss": result.loss,
-                        "lr": lr,
-                        "tokens_per_s": rate,
-                        "step_time_s": dt,
-                        "device_peak_bytes": self.engine.device_peak_bytes(),
-                    }
-                    if result.grad_norm is not None:
-                        record["grad_norm"] = result.grad_norm
-                    if self.prediction:
-                        record["predicted_step_s"] = self.prediction["step_s"]
-                        record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
-                    if result.skipped:
-                        record["skipped"] = True
-                    if self.gossip is not None:
-                        self.gossip.after_step(step + 1)
-                        record["gossip"] = self.gossip.record()
-                    done = step + 1
-                    if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
-                        record["val_loss"] = self.evaluate()
-                        summary.val_loss = record["val_loss"]
-                        t_prev = time.perf_counter()  # eval time is not step time
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                    summary.history.append(record)
-                    summary.steps, summary.last_loss = done, result.loss
-                    bar.update(1)
-                    if not self.progress and (done % tc.log_interval == 0 or done == end):
-                        log.info(
-                            "step %d/%d loss %.4f%s lr %.2e %.0f tokens/s device %s",
-                            done,
-                            end,
-                            result.loss,
-                            f" val {record['val_loss']:.4f}" if "val_loss" in record else "",
-                            lr,
-                            rate,
-                            _human(record["device_peak_bytes"]),
-                        )
-                    bar.set_postfix(
-                        loss=f"{result.loss:.4f}",
-                        tok_s=f"{rate:,.0f}",
-                        dev=_human(record["device_peak_bytes"]),
-                        **(self.gossip.postfix() if self.gossip is not None else {}),
-                        refresh=False,
-                    )
-                    if tc.ckpt_interval and done % tc.ckpt_interval == 0:
-                        summary.checkpoint, last_saved_step = self.save(done), done
-                        t_prev = time.perf_counter()
-        except KeyboardInterrupt:
+        rates: list[float] = []
+        self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
+        self._saved_step = None
+        with _Interrupts() as interrupts:
+            try:
+                self._loop(summary, end, bar, interrupts, rates)
+            except KeyboardInterrupt:
+                bar.close()
+                self._stop_gossip()  # goodbye first: no merge lands while it is written
+                if self._saved_step == summary.steps:  # stopped right after a save
+                    self.interrupt_checkpoint = summary.checkpoint
+                elif summary.steps > self.start_step and not interrupts.save_abandoned:
+                    log.warning("interrupted: saving a checkpoint at step %d", summary.steps)
+                    with interrupts.saving():
+                        self.interrupt_checkpoint = self.save(summary.steps)
+                    summary.checkpoint = self.interrupt_checkpoint
+                self.engine.close()
+                raise
+            except BaseException:
+                self._stop_gossip()
+                raise
             bar.close()
-            self._stop_gossip()  # goodbye first: no merge lands while the checkpoint is written
-            log.warning("interrupted: saving a checkpoint at step %d", summary.steps)
-            if summary.steps > self.start_step:
-                summary.checkpoint = self.save(summary.steps)
-            self.engine.close()
-            raise
-        except BaseException:
             self._stop_gossip()
-            raise
-        bar.close()
-        self._stop_gossip()
-        if summary.steps > self.start_step and last_saved_step != summary.steps:
-            summary.checkpoint = self.save(summary.steps)
+            if summary.steps > self.start_step and self._saved_step != summary.steps:
+                with interrupts.saving():
+                    summary.checkpoint = self.save(summary.steps)
         # skip the first step's rate: it pays one-off allocation and warm-up
         steady = rates[1:] or rates
         summary.tokens_per_s = sum(steady) / len(steady) if steady else None
@@ -346,14 +302,96 @@ class Trainer:
         self.engine.close()
         return summary
 
+    def _loop(self, summary: RunSummary, end: int, bar, interrupts: _Interrupts, rates) -> None:
+        """Steps start_step..end, with metrics, evaluation and checkpoints."""
+        from atom.optim import lr_at
 
-class _SigintAtStepBoundary:
-    """Ctrl+C takes effect between optimizer steps, so the step under way is finished and
-    saved rather than thrown away. A second Ctrl+C interrupts at once (the engine then
-    abandons the step cleanly: SwapEngine._abandon_step)."""
+        tc = self.cfg.train
+        tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
+        t_prev = time.perf_counter()
+        with self.metrics_path.open("a") as metrics:
+            for step in range(self.start_step, end):
+                interrupts.at_step_boundary()
+                batches = [
+                    self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)
+                ]
+                lr = lr_at(step, tc)
+                result = self.engine.train_step(batches, lr, stop=interrupts.abandon_step)
+                now = time.perf_counter()
+                dt, t_prev = now - t_prev, now
+                rate = tokens_per_step / dt
+                rates.append(rate)
+                record = {
+                    "step": step + 1,
+                    "loss": result.loss,
+                    "lr": lr,
+                    "tokens_per_s": rate,
+                    "step_time_s": dt,
+                    "device_peak_bytes": self.engine.device_peak_bytes(),
+                }
+                if result.grad_norm is not None:
+                    record["grad_norm"] = result.grad_norm
+                if self.prediction:
+                    record["predicted_step_s"] = self.prediction["step_s"]
+                    record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
+                if result.skipped:
+                    record["skipped"] = True
+                if self.gossip is not None:
+                    self.gossip.after_step(step + 1)
+                    record["gossip"] = self.gossip.record()
+                done = step + 1
+                if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
+                    record["val_loss"] = self.evaluate()
+                    summary.val_loss = record["val_loss"]
+                    t_prev = time.perf_counter()  # eval time is not step time
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                summary.history.append(record)
+                summary.steps, summary.last_loss = done, result.loss
+                bar.update(1)
+                if not self.progress and (done % tc.log_interval == 0 or done == end):
+                    log.info(
+                        "step %d/%d loss %.4f%s lr %.2e %.0f tokens/s device %s",
+                        done,
+                        end,
+                        result.loss,
+                        f" val {record['val_loss']:.4f}" if "val_loss" in record else "",
+                        lr,
+                        rate,
+                        _human(record["device_peak_bytes"]),
+                    )
+                bar.set_postfix(
+                    loss=f"{result.loss:.4f}",
+                    tok_s=f"{rate:,.0f}",
+                    dev=_human(record["device_peak_bytes"]),
+                    **(self.gossip.postfix() if self.gossip is not None else {}),
+                    refresh=False,
+                )
+                if tc.ckpt_interval and done % tc.ckpt_interval == 0:
+                    with interrupts.saving():
+                        summary.checkpoint, self._saved_step = self.save(done), done
+                    t_prev = time.perf_counter()
 
-    def __enter__(self) -> _SigintAtStepBoundary:
+
+class _Interrupts:
+    """Ctrl+C (and SIGTERM, which the CLI routes here) takes effect where nothing is lost:
+
+    - between steps: the step under way finishes, is saved, and the run stops;
+    - inside a long step (one that has run for LONG_STEP_S): the step is abandoned between
+      two unit visits, within seconds, and the last finished step is saved;
+    - during a checkpoint save: the save finishes; the third Ctrl+C abandons it (the
+      half-written directory is removed, the previous checkpoint stays).
+    A second Ctrl+C outside a save interrupts at once (the engine abandons the step cleanly)."""
+
+    LONG_STEP_S = 2.0
+    ABANDON_SAVE_AFTER = 3
+
+    def __enter__(self) -> _Interrupts:
         self.pending = False
+        self.presses_while_saving = 0
+        self.save_abandoned = False
+        self._saving = False
+        self._step_started = time.monotonic()
         self._installed = (
             threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -363,13 +401,37 @@ class _SigintAtStepBoundary:
         return self
 
     def _handle(self, signum, frame) -> None:
+        # no logging here (the main thread may hold logging's lock): os.write is safe
+        if self._saving:
+            self.pending = True  # the run stops once the checkpoint is written
+            self.presses_while_saving += 1
+            left = self.ABANDON_SAVE_AFTER - self.presses_while_saving
+            if left <= 0:
+                self.save_abandoned = True
+                raise KeyboardInterrupt
+            os.write(2, f"atom: writing a checkpoint; Ctrl+C {left} more time(s) abandons "
+                        "it (the previous one stays)\n".encode())  # fmt: skip
+            return
         if self.pending:
             raise KeyboardInterrupt
-        self.pending = True  # no logging here: the main thread may hold logging's lock
+        self.pending = True
 
-    def check(self) -> None:
+    def at_step_boundary(self) -> None:
         if self.pending:
             raise KeyboardInterrupt
+        self._step_started = time.monotonic()
+
+    def abandon_step(self) -> bool:
+        """Asked by the engine between unit visits."""
+        return self.pending and time.monotonic() - self._step_started > self.LONG_STEP_S
+
+    @contextmanager
+    def saving(self):
+        self._saving, self.presses_while_saving = True, 0
+        try:
+            yield
+        finally:
+            self._saving = False
 
     def __exit__(self, *exc) -> None:
         if self._installed:

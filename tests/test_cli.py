@@ -5,6 +5,7 @@ pytest tests/test_cli.py
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -273,3 +274,83 @@ def test_the_command_line_starts_without_torch():
     probe = "import sys, atom.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _lrs(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in rows if "lr" in r}
+
+
+def test_resume_continues_with_the_saved_config_and_names_each_change(run_dir, capsys):
+    """No --set model.* to repeat; a train.* value named on the command line is applied
+    and said; a changed model or data is refused in one line."""
+    code, out, _ = run_cli(capsys, "train", "--resume", str(run_dir), "--max-steps", "3",
+                           "--set", "train.lr=0.002", "--no-progress")  # fmt: skip
+    assert code == 0
+    assert "atom: resuming with train.lr: 0.001 -> 0.002" in out
+    assert _lrs(run_dir)[3] == pytest.approx(0.002 * 3 / 21)  # step 3 of a 20-step warm-up
+    for sets, needle in (
+        (["--set", "model.d_model=64"], "different model config (model.d_model 128, not 64)"),
+        (["--set", "train.data=/tmp"], "different data"),
+        (["--config", "tiny"], "drop --config"),
+    ):
+        code, _, err = run_cli(capsys, "train", "--resume", str(run_dir), *sets, "--no-progress")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_extending_a_finished_run_does_not_jump_the_lr(tmp_path, text_dataset, capsys):
+    """A run planned for 6 steps, extended to 10: the LR after step 6 stays at the decayed
+    min_lr (it used to jump back up a cosine re-fitted to 10 steps)."""
+    out = tmp_path / "run"
+    sets = ["--set", "model.n_layer=2", "--set", "model.seq_len=32", "--set",
+            f"train.data={text_dataset}", "--set", "train.warmup_steps=1"]  # fmt: skip
+    assert run_cli(capsys, "train", *sets, "--max-steps", "6", "--out", str(out),
+                   "--no-progress")[0] == 0  # fmt: skip
+    code, said, _ = run_cli(capsys, "train", "--resume", str(out), "--max-steps", "10",
+                            "--no-progress")  # fmt: skip
+    assert code == 0 and "keeps its planned decay over 6 steps" in said
+    lrs = _lrs(out)
+    assert lrs[7] <= lrs[6] + 1e-12 and all(lrs[s] == lrs[7] for s in range(7, 11))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("rng", {"torch": "not base64 !!"}), ("rng", {"torch": "AAAA"}), ("clip", {"eager_coef": "x"}),
+     ("optimizer_steps", "many")],
+    ids=["rng-garbage", "rng-short", "clip", "steps"],
+)  # fmt: skip
+def test_corrupt_state_in_meta_is_one_line(run_dir, capsys, field, value):
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta[field] = value
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(capsys, "train", "--resume", str(run_dir), "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "corrupt state in meta.json" in err and str(ckpt) in err
+
+
+@pytest.mark.parametrize("err_no", [errno.ENOSPC, errno.EMFILE])
+def test_a_save_the_system_refuses_is_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, text_dataset, capsys, monkeypatch, err_no
+):
+    """Disk full (or out of file handles) at the second checkpoint: one line naming the
+    cause, the fix and the checkpoint that is still there; nothing half-written left."""
+    import atom.checkpoint as checkpoint
+
+    real, calls = checkpoint.save_file, [0]
+
+    def save_file(tensors, path):
+        calls[0] += 1
+        if calls[0] > 4:  # the first checkpoint (4 unit files) goes through
+            raise OSError(err_no, os.strerror(err_no), path)
+        return real(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--set", "model.n_layer=2", "--set",
+                           f"train.data={text_dataset}", "--set", "train.ckpt_interval=2",
+                           "--max-steps", "4", "--out", str(out), "--no-progress")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    first = out / "checkpoints" / "step_00000002"
+    assert os.strerror(err_no) in err and f"previous checkpoint {first} is intact" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]

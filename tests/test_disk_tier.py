@@ -203,3 +203,37 @@ def test_kill_during_tier_writes_then_resume_equals_uninterrupted(tmp_path, text
     assert set(got) == set(want)
     assert got == want
     assert not any(tier.iterdir())  # the stale directory was removed, the resumed run's too
+
+
+def test_atom_train_on_the_tier_through_the_cli(tmp_path, text_dataset, capsys):
+    from atom.cli import main
+
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    sets = ["--set", f"train.data={text_dataset}", "--set", "model.n_layer=2",
+            "--set", "swap.state=compact", "--set", f"swap.disk_dir={tier}"]  # fmt: skip
+
+    def argv(out, *extra):
+        return ["train", *sets, *extra, "--max-steps", "3", "--out", str(out), "--no-progress"]
+
+    assert main(argv(tmp_path / "run")) == 0
+    out = capsys.readouterr().out
+    assert "compact state" in out and f"on disk in {tier}" in out
+    missing = ["--set", f"swap.disk_dir={tmp_path / 'missing'}"]
+    assert main(argv(tmp_path / "run2", *missing)) == 2
+    err = capsys.readouterr().err
+    assert "is not a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_close_does_not_wait_for_reads_nobody_will_take(tmp_path):
+    """More units asked for than slots and none taken (a step that failed half-way): the
+    reader waits for a slot that never frees; close must not hang on it."""
+    regions = [[disk_tier.Region(torch.float32, 1024, [(torch.empty(0), 0, (1024,))])]
+               for _ in range(4)]  # fmt: skip
+    tier = disk_tier.DiskTier(tmp_path, [disk_tier.UnitRecord(r) for r in regions], n_slots=2)
+    for unit in range(4):
+        tier.prefetch(unit)
+    t0 = time.monotonic()
+    tier.close()
+    assert time.monotonic() - t0 < 5
+    assert not any(tmp_path.iterdir())

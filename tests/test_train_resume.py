@@ -135,3 +135,87 @@ def test_sigkill_while_checkpointing_always_leaves_a_resumable_checkpoint(tmp_pa
         assert trainer.start_step == ckpt.step
         trainer.engine.close()
     assert last_step > 1
+
+
+@pytest.mark.parametrize("presses", [2, 3])
+def test_ctrl_c_during_a_checkpoint_save(tmp_path, text_dataset, monkeypatch, presses):
+    """Ctrl+C pressed while a checkpoint is being written: twice, the save finishes and
+    the run stops right after it (no second save); three times, the save is abandoned,
+    the half-written directory removed, the previous checkpoint kept, and the trainer
+    reports no new checkpoint."""
+    import os
+    import signal
+
+    import atom.checkpoint as checkpoint
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (a background job ignores it)")
+    cfg = tiny_config(
+        train={"max_steps": 8, "ckpt_interval": 2, "data": str(text_dataset)},
+        model={"n_layer": 2},
+    )
+    real, files = checkpoint.save_file, [0]
+
+    def save_file(tensors, path):
+        files[0] += 1
+        if files[0] == 6:  # the second checkpoint (4 unit files each), half-way through
+            for _ in range(presses):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    if presses == 2:
+        assert saved == ["step_00000002", "step_00000004"]
+        assert trainer.interrupt_checkpoint.name == "step_00000004"
+        assert len(losses(tmp_path / "run")) == 4  # stopped right after the save
+    else:
+        assert saved == ["step_00000002"]  # nothing half-written left beside it
+        assert trainer.interrupt_checkpoint is None
+    assert files[0] == 8 if presses == 2 else files[0] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_inside_a_long_step_is_honoured_within_seconds(tmp_path, text_dataset):
+    """A step that takes many seconds (long context on the CPU) is abandoned between unit
+    visits a couple of seconds after Ctrl+C, and the last finished step is saved."""
+    import os
+    import signal
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "atom.cli", "train", "--no-progress", "--out", str(out),
+           "--max-steps", "5", "--set", f"train.data={text_dataset}",
+           "--set", "model.n_layer=8", "--set", "model.d_model=256", "--set", "model.n_head=4",
+           "--set", "model.seq_len=2048", "--set", "model.vocab_size=256",
+           "--set", "train.micro_batch=8", "--set", "train.eval_interval=0"]  # fmt: skip
+
+    def default_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=default_sigint)  # fmt: skip
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        step_s = json.loads(metrics.read_text().splitlines()[0])["step_time_s"]
+        assert step_s > 5, f"the step ({step_s:.1f} s) is too short to show anything"
+        time.sleep(0.5)  # into step 2
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        output = proc.communicate(timeout=120)[0]
+        waited = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 130, output
+    assert waited < step_s / 2 + 3, (waited, step_s)  # not the rest of the step
+    assert "checkpoint saved" in output and "step_00000001" in output
+    assert len(metrics.read_text().splitlines()) == 1

@@ -11,9 +11,11 @@ CPU backend. The tier opens its files with O_DIRECT where the filesystem allows 
 report says which), so reads come from the disk, not the page cache, whatever the state's
 size against RAM.
 
-Per configuration: median step time over rounds (each round's figure is the median of its
-steps after one warm-up step), the spread, the ratio to fp32-in-RAM, peak RSS, and disk
-bytes read and written per step.
+Per configuration: median step time over rounds (each round's figure: its steps after one
+warm-up step, run back to back as training runs them, so a step's updates and their disk
+traffic overlap the next step's forward, timed until the last update has finished, divided
+by the steps), the spread, the ratio to fp32-in-RAM, peak RSS, and disk bytes read and
+written per step.
 """
 
 from __future__ import annotations
@@ -56,27 +58,36 @@ def child(args) -> int:
     from atom.optim import lr_at
     from atom.swap.backend import CpuBackend
     from atom.swap.engine import SwapEngine
+    from profiler.analysis import ModelAnalysis
 
     torch.set_flush_denormal(True)
     cfg = load_config(None, args.set)
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     g = torch.Generator().manual_seed(0)
-    times = []
+
+    def step(i: int) -> None:
+        x = torch.randint(0, 256, (cfg.train.micro_batch, cfg.model.seq_len + 1), generator=g)
+        engine.train_step([(x[:, :-1].contiguous(), x[:, 1:].contiguous())], lr_at(i, cfg.train))
+
     try:
-        for step in range(args.steps + 1):
-            x = torch.randint(0, 256, (cfg.train.micro_batch, cfg.model.seq_len + 1), generator=g)
-            batch = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
-            t0 = time.perf_counter()
-            engine.train_step(batch, lr_at(step, cfg.train))
-            engine.wait_idle()  # the step's updates (and their disk traffic) included
-            times.append(time.perf_counter() - t0)
+        step(0)  # warm-up
+        engine.wait_idle()
         tier = engine.tier
+        read0, written0 = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
+        t0 = time.perf_counter()
+        for i in range(1, args.steps + 1):
+            step(i)
+        engine.wait_idle()  # the last step's updates (and their disk traffic) included
+        elapsed = time.perf_counter() - t0
         result = {
-            "step_s": statistics.median(times[1:]),
+            "step_s": elapsed / args.steps,
             "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "disk_read_per_step": tier.bytes_read / len(times) if tier else 0,
-            "disk_written_per_step": tier.bytes_written / len(times) if tier else 0,
+            "disk_read_per_step": (tier.bytes_read - read0) / args.steps if tier else 0,
+            "disk_written_per_step": (tier.bytes_written - written0) / args.steps if tier else 0,
             "o_direct": bool(tier and tier.direct),
+            "predicted_host_bytes": ModelAnalysis.of(cfg).host_bytes(
+                torch.float32, cfg.swap.state, tier is not None, cfg.swap.disk_slots
+            ),
             "n_params": sum(b.spec.n_owned for b in engine.store.buffers),
         }
     finally:
@@ -122,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         f"disk dir {args.disk_dir} (O_DIRECT: {runs['fp32, disk'][0]['o_direct']})\n"
     )
     print(
-        "| host state | step s (median) | spread | vs fp32 in RAM | peak RSS "
-        "| disk read / written per step |"
+        "| host state | step s (median) | spread | vs fp32 in RAM | peak RSS | model state "
+        "in RAM (profiler) | disk read / written per step |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, rs in runs.items():
         steps = [x["step_s"] for x in rs]
         med = statistics.median(steps)
@@ -138,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"| {name} | {med:.3f} | {min(steps):.3f}-{max(steps):.3f} | {med / base:.2f}x | "
-            f"{rss / 2**30:.2f} GiB | {disk} |"
+            f"{rss / 2**30:.2f} GiB | {io['predicted_host_bytes'] / 2**30:.2f} GiB | {disk} |"
         )
     return 0
 

@@ -140,6 +140,7 @@ class DiskTier:
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self._closing = False
         self.bytes_read = 0
         self.bytes_written = 0
         self._threads = [
@@ -184,14 +185,19 @@ class DiskTier:
     # ------------------------------------------------------------------ threads
     def _reader(self) -> None:
         while True:
-            unit = self._reads.get()
-            if unit is None:
+            item = self._reads.get()
+            if item is None:
                 return
+            unit, fresh = item
             try:
                 self._written[unit].wait()
-                slot = self._free.get()
+                slot = self._take_slot()
+                if slot is None:
+                    return  # closing: a read nobody will acquire any more
                 nbytes = self.records[unit].nbytes
-                if self.error is None:
+                if fresh:  # about to be overwritten whole: zeros, as a new record reads
+                    self._tensors[slot][:nbytes].zero_()
+                elif self.error is None:
                     view = memoryview(self._mem[slot])[:nbytes]
                     got = os.preadv(self._fds[unit], [view], 0)
                     if got != nbytes:
@@ -204,6 +210,14 @@ class DiskTier:
                 log.exception("disk tier read failed")
             finally:
                 self._loaded[unit].set()
+
+    def _take_slot(self) -> int | None:
+        while True:
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                if self._closing:
+                    return None
 
     def _writer(self) -> None:
         while True:
@@ -227,18 +241,20 @@ class DiskTier:
                 self._written[unit].set()
 
     # ------------------------------------------------------------------ API
-    def prefetch(self, unit: int) -> None:
-        """Queue unit's read; reads run in the order asked, so ask in update order."""
+    def prefetch(self, unit: int, fresh: bool = False) -> None:
+        """Queue unit's read; reads run in the order asked, so ask in update order.
+        fresh: the caller overwrites the record whole (weights loaded or initialised,
+        moments zero): the slot is zero-filled instead of read."""
         with self._lock:
             if unit in self._loaded:
                 return  # queued or resident
             self._loaded[unit] = threading.Event()
             self._written.setdefault(unit, _done_event())
-        self._reads.put(unit)
+        self._reads.put((unit, fresh))
 
-    def acquire(self, unit: int) -> None:
+    def acquire(self, unit: int, fresh: bool = False) -> None:
         """Block until unit's cold tensors point into a RAM slot."""
-        self.prefetch(unit)
+        self.prefetch(unit, fresh)
         self._loaded[unit].wait()
         if self.error is not None:
             raise RuntimeError("the disk tier failed (see the log)") from self.error
@@ -266,6 +282,7 @@ class DiskTier:
         try:
             self.flush()
         finally:
+            self._closing = True
             self._reads.put(None)
             self._writes.put(None)
             for t in self._threads:

@@ -264,7 +264,15 @@ class SwapEngine:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
+    def train_step(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        lr: float,
+        stop: Callable[[], bool] | None = None,
+    ) -> StepResult:
+        """One optimizer step. `stop`, asked between unit visits, abandons the step (as
+        KeyboardInterrupt, leaving the engine as before it) when it says so: a step of
+        minutes still answers Ctrl+C within a visit."""
         self.worker.check()
         self._lr = lr
         n_micro = len(batches)
@@ -278,6 +286,8 @@ class SwapEngine:
         try:
             self._advance(plan, -1, None)
             for pos, v in enumerate(plan.visits):
+                if stop is not None and stop():
+                    raise KeyboardInterrupt
                 m, u = v.micro, v.unit
                 if v.phase == "f" and u == 0:
                     x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
@@ -583,15 +593,17 @@ class SwapEngine:
         return {"eager_norm": self._eager_norm, "eager_coef": self._eager_coef}
 
     def load_clip_state(self, state: dict) -> None:
+        """Raises ValueError/TypeError for values that are not numbers (a damaged meta)."""
         if state:
-            self._eager_norm = state.get("eager_norm")
+            norm = state.get("eager_norm")
+            self._eager_norm = None if norm is None else float(norm)
             self._eager_coef = float(state.get("eager_coef", 1.0))
 
     def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
         """Copy weights (and optimizer state) from a checkpoint, by model name."""
         self.wait_idle()
         for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
-            with self.store.paged_in(u), buf.lock:
+            with self.store.paged_in(u, fresh=True), buf.lock:
                 self.store.load_master(u, get)
                 if has_optim:
                     for key in STATE_KEYS:

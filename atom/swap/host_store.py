@@ -88,13 +88,14 @@ class HostStore:
         return len(self.buffers)
 
     @contextmanager
-    def paged_in(self, index: int, dirty: bool = True):
+    def paged_in(self, index: int, dirty: bool = True, fresh: bool = False):
         """Unit's master (and, through the tier, its optimizer state) in RAM for the body;
-        written back afterwards if `dirty`. A no-op without a disk tier."""
+        written back afterwards if `dirty`. `fresh`: the body sets master and moments
+        anew (zeros unless set), so nothing is read. A no-op without a disk tier."""
         if self.tier is None:
             yield
             return
-        self.tier.acquire(index)
+        self.tier.acquire(index, fresh)
         try:
             yield
         finally:
@@ -105,7 +106,7 @@ class HostStore:
             values = torch.empty(buf.spec.n_owned)
             for name, view in buf.spec.owned_views(values).items():
                 init_parameter(name, view, cfg, seed)
-            with self.paged_in(i):
+            with self.paged_in(i, fresh=True):
                 self.write_master(i, values)
                 self.refresh_compute(i)
 
