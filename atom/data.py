@@ -143,6 +143,23 @@ def _load_tokenizer(spec: str) -> _Tokenizer:
     return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok))
 
 
+def _head(path: Path, n: int = 8192) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def _looks_like_jsonl(head: bytes) -> bool:
+    """JSON Lines whatever the file is called (a .json file of records, say): the first
+    non-empty line is a whole JSON object."""
+    for line in head.splitlines():
+        if line.strip():
+            try:
+                return isinstance(json.loads(line), dict)
+            except ValueError:
+                return False
+    return False
+
+
 def _collect_files(inputs: list[Path]) -> list[Path]:
     files: list[Path] = []
     for inp in inputs:
@@ -238,7 +255,17 @@ def prepare(
 
     def chunks() -> Iterator[np.ndarray]:
         for path in tqdm(files, desc="tokenizing", unit="file", disable=not progress):
-            if path.suffix == ".jsonl":  # text / instruction / chat records
+            head = _head(path)
+            if b"\0" in head:
+                raise DataError(
+                    f"{path} is binary (it holds NUL bytes), not UTF-8 text; pass text files "
+                    "(convert UTF-16 to UTF-8), or "
+                    f"directories (from which only {'/'.join(TEXT_SUFFIXES)} files are read)"
+                )
+            # records, one a line: .jsonl, or recognised by content (a .json file of records)
+            if path.suffix == ".jsonl" or (
+                path.suffix not in TEXT_SUFFIXES and _looks_like_jsonl(head)
+            ):
                 yield from jsonl_chunks(path, tok)
                 continue
             yield tok.encode(path.read_bytes(), path)
@@ -314,6 +341,22 @@ def default_corpus(cache_dir: Path | None = None, max_bytes: int = 8_000_000) ->
     return final
 
 
+def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
+    """Every id below the dataset's vocabulary, checked before the first step (an id out
+    of range is an IndexError in the embedding many steps in). Skipped when the dtype
+    cannot hold one; otherwise a streaming max, ~GB/s."""
+    if np.iinfo(tokens.dtype).max < vocab_size:
+        return
+    chunk = 1 << 26
+    for start in range(0, len(tokens), chunk):
+        top = int(tokens[start : start + chunk].max())
+        if top >= vocab_size:
+            raise DataError(
+                f"{path} holds token id {top}, outside the dataset's vocabulary of "
+                f"{vocab_size} (a corrupt or foreign shard); re-run atom prepare"
+            )
+
+
 class TokenData:
     """Random-window batches over a prepared dataset, reproducible from (seed, step, micro)."""
 
@@ -324,6 +367,11 @@ class TokenData:
         self.seed = seed % (1 << 64)
         if seq_len < 1:
             raise DataError(f"seq_len must be at least 1, got {seq_len}")
+        if self.data_dir.is_file():
+            raise DataError(
+                f"train.data {self.data_dir} is a file; training reads a directory made by "
+                f"atom prepare: atom prepare {self.data_dir} --out DIR, then train.data=DIR"
+            )
         if not self.data_dir.is_dir():
             raise DataError(
                 f"dataset directory {self.data_dir} does not exist; create it with atom prepare"
@@ -343,6 +391,8 @@ class TokenData:
         dtype = np.dtype(self.meta.dtype)
         self._train = self._open(TRAIN_NAME, self.meta.train_tokens, dtype)
         self._val = self._open(VAL_NAME, self.meta.val_tokens, dtype)
+        for name, tokens in ((TRAIN_NAME, self._train), (VAL_NAME, self._val)):
+            _check_ids(tokens, self.meta.vocab_size, self.data_dir / name)
 
     def _open(self, name: str, n_tokens: int, dtype: np.dtype) -> np.memmap:
         path = self.data_dir / name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -28,9 +29,10 @@ def read_split(d: Path, name: str, dtype: str) -> np.ndarray:
 
 
 def random_corpus(tmp_path: Path, n: int = 4000, seed: int = 0) -> Path:
-    """Random bytes make every window unique, so a batch row pins down its start offset."""
+    """Random bytes make every window unique, so a batch row pins down its start offset
+    (no NUL byte: prepare refuses binary files)."""
     src = tmp_path / "rand.txt"
-    src.write_bytes(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+    src.write_bytes(np.random.default_rng(seed).integers(1, 256, n, dtype=np.uint8).tobytes())
     out = tmp_path / "ds"
     prepare([src], out, progress=False)
     return out
@@ -283,3 +285,52 @@ def test_tokenizers_bpe(tmp_path: Path) -> None:
     data = TokenData(out, seq_len=4, seed=0)
     x, _ = data.train_batch(0, 0, 2)
     assert int(x.max()) < vocab
+
+
+def test_prepare_refuses_binary_input(tmp_path: Path) -> None:
+    elf = tmp_path / "ls"
+    elf.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    with pytest.raises(DataError, match="is binary") as e:
+        prepare([elf], tmp_path / "ds", progress=False)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "ds" / "meta.json").exists()
+
+
+def test_jsonl_records_are_recognised_by_content(tmp_path: Path) -> None:
+    """A .json file holding one JSON object per line is read as records (their text),
+    not as raw JSON syntax."""
+    records = "".join(json.dumps({"text": f"record number {i}"}) + "\n" for i in range(50))
+    as_json, as_jsonl = tmp_path / "a.json", tmp_path / "b.jsonl"
+    as_json.write_text(records)
+    as_jsonl.write_text(records)
+    one = prepare([as_json], tmp_path / "one", progress=False)
+    two = prepare([as_jsonl], tmp_path / "two", progress=False)
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    assert b'"text"' not in (tmp_path / "one" / "train.bin").read_bytes()
+    assert one.train_tokens == two.train_tokens
+
+
+def test_a_file_given_as_the_dataset_is_explained(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    with pytest.raises(DataError, match=r"is a file; .*atom prepare .*corpus.txt --out DIR"):
+        TokenData(corpus, seq_len=8, seed=0)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_at_load(tmp_path: Path) -> None:
+    """A shard holding an id >= the dataset's vocabulary (corrupt, or from another
+    tokenizer) is refused when opened, not by an IndexError steps into training."""
+    out = tmp_path / "ds"
+    ids = np.arange(1000, dtype=np.uint16) % 300
+    out.mkdir()
+    ids[:900].tofile(out / "train.bin")
+    ids[900:].tofile(out / "val.bin")
+    meta = DatasetMeta(300, "byte", "uint16", 900, 100, "test")
+    (out / "meta.json").write_text(meta.to_json())
+    TokenData(out, seq_len=8, seed=0)  # all below 300
+    bad = ids[:900].copy()
+    bad[456] = 4000
+    bad.tofile(out / "train.bin")
+    with pytest.raises(DataError, match="token id 4000, outside the dataset's vocabulary of 300"):
+        TokenData(out, seq_len=8, seed=0)

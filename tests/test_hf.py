@@ -448,3 +448,15 @@ def test_export_refuses_a_non_empty_directory(tmp_path, capsys):
     (tmp_path / "out" / "x").write_text("")
     assert main(["export", str(tmp_path), "--hf", str(tmp_path / "out")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_fine_tuning_on_byte_level_data_is_refused(tmp_path):
+    """Byte ids fed to a BPE model train its first 256 tokens on the wrong text: refused,
+    with the prepare command that fixes it (it used to be a warning)."""
+    from types import SimpleNamespace
+
+    from atom.errors import DataError
+    from atom.hf.source import _check_tokenizer
+
+    with pytest.raises(DataError, match=f"--tokenizer {tmp_path}"):
+        _check_tokenizer(SimpleNamespace(path=tmp_path), "byte")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from atom.config import Config, ConfigError, ModelConfig
+from atom.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -467,14 +468,11 @@ def load_weights(engine, cfg: Config, tokenizer: str | None = None) -> None:
 
 def _check_tokenizer(src: HFSource, spec: str) -> None:
     own = src.path / "tokenizer.json"
-    if spec == "byte":
-        log.warning(
-            "the dataset is byte-level, not tokenized with %s's tokenizer: prepare it with "
-            "atom prepare ... --tokenizer %s",
-            src.path,
-            src.path,
+    if spec == "byte":  # byte ids would train as the checkpoint's first 256 tokens: garbage
+        raise DataError(
+            f"the dataset is byte-level, not tokenized with {src.path}'s tokenizer; prepare "
+            f"it with: atom prepare FILES --out DIR --tokenizer {src.path}"
         )
-        return
     path = Path(spec.removeprefix("tokenizers:"))
     if own.is_file() and path.is_file() and path.read_bytes() != own.read_bytes():
         log.warning(
