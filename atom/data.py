@@ -94,6 +94,30 @@ class _Tokenizer:
     eos: int | None = None  # appended after each JSONL record
 
 
+PIECE_CHARS = 1 << 20
+
+
+def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in pieces of about `size` characters, each cut just before a whitespace
+    character that starts a word (" word", "\nword"): where BPE pre-tokenizers (GPT-2's
+    byte-level, Llama's) put a boundary anyway, so encoding the pieces one by one gives
+    the tokens of the whole. A text with no such place in a piece's reach is cut at it."""
+    start, n = 0, len(text)
+    while n - start > size:
+        end = start + size
+        cut = end
+        while cut > start + size // 2 and not (text[cut - 1].isspace() and not text[cut].isspace()):
+            cut -= 1
+        if cut == start + size // 2:  # no word boundary in the second half: cut anyway
+            cut = end
+        else:
+            cut -= 1  # before the whitespace, which belongs to the next word
+        yield text[start:cut]
+        start = cut
+    if start < n:
+        yield text[start:]
+
+
 def _byte_tokenizer() -> _Tokenizer:
     return _Tokenizer("byte", 256, lambda data, _path: np.frombuffer(data, dtype=np.uint8))
 
@@ -137,8 +161,10 @@ def _load_tokenizer(spec: str) -> _Tokenizer:
         except UnicodeDecodeError:
             logger.warning("%s is not valid UTF-8; undecodable bytes become U+FFFD", src)
             text = data.decode("utf-8", errors="replace")
-        ids = tok.encode(text, add_special_tokens=False).ids
-        return np.asarray(ids, dtype=dtype)
+        # One encode call per piece of ~1 MB: a whole file in one call (a 30 MB line, say)
+        # makes the tokenizer's working memory grow out of bounds.
+        ids = [tok.encode(piece, add_special_tokens=False).ids for piece in text_pieces(text)]
+        return np.asarray([i for part in ids for i in part], dtype=dtype)
 
     return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok))
 

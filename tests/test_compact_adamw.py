@@ -257,3 +257,28 @@ def test_fp32_checkpoint_resumes_into_compact(tmp_path):
         assert torch.allclose(t, get(name), rtol=2**-15, atol=1e-12), name
     for x, y in zip(resumed, tail, strict=True):
         assert abs(x - y) < 0.02 * y
+
+
+def test_peers_merge_into_compact_master_and_compensation():
+    """Gossip's door into the engine (UnitParams) sees fp32 weights in compact state too:
+    a snapshot is master + comp, and a merged delta smaller than a bf16 ulp is kept."""
+    from atom.gossip.merge import UnitParams
+
+    cfg = tiny_config(swap={"state": "compact"})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        params = UnitParams(engine)
+        unit = params.units[1]
+        before = params.snapshot(unit)
+        assert before.dtype == torch.float32
+        delta = torch.full_like(before, 1e-5)  # far below bf16's resolution at 0.02
+        params.add(unit, delta)
+        after = params.snapshot(unit)
+        # kept to master + comp's ~16 significant bits of the weight
+        assert (((after - before) - delta).abs() <= before.abs() * 2**-15 + 1e-9).all()
+        buf = engine.store.buffers[unit]
+        assert torch.equal(buf.compute[: buf.spec.n_owned], buf.master.float())  # bus copy
+        params.load(unit, before)
+        assert torch.allclose(params.snapshot(unit), before, rtol=2**-15, atol=1e-12)
+    finally:
+        engine.close()

@@ -334,3 +334,30 @@ def test_token_ids_outside_the_vocabulary_are_refused_at_load(tmp_path: Path) ->
     bad.tofile(out / "train.bin")
     with pytest.raises(DataError, match="token id 4000, outside the dataset's vocabulary of 300"):
         TokenData(out, seq_len=8, seed=0)
+
+
+def test_bpe_encoding_in_pieces_equals_the_whole(tmp_path: Path) -> None:
+    """Encoding streams a file in ~1 MB pieces cut before a word (a 30 MB single line in
+    one encode call ran out of memory): the tokens are those of encoding it whole."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from atom.data import text_pieces
+
+    rng = np.random.default_rng(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "über", "lazy", "dog", "42", "—", ","]
+    seps = [" ", " ", " ", "  ", "\n", " \n ", "\t"]
+    text = "".join(rng.choice(words) + rng.choice(seps) for _ in range(20000))
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        [text[:5000]],
+        trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                            show_progress=False),
+    )  # fmt: skip
+    whole = tok.encode(text, add_special_tokens=False).ids
+    pieces = list(text_pieces(text, size=997))
+    assert len(pieces) > 50 and "".join(pieces) == text
+    assert [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids] == whole
+    assert list(text_pieces("x" * 2500, size=1000)) == ["x" * 1000, "x" * 1000, "x" * 500]
