@@ -255,8 +255,37 @@ class Trainer:
         if self.gossip is not None:
             self.gossip.close()  # idempotent: goodbye, threads joined, sockets closed
 
+    def estimated_step_s(self) -> float:
+        """A step's time from its FLOPs and this device's measured matmul rate (a plan's
+        prediction when there is one): to warn before a step of minutes starts."""
+        if self.prediction:
+            return float(self.prediction["step_s"])
+        from profiler.analysis import ModelAnalysis
+
+        m, tc = self.cfg.model, self.cfg.train
+        per_token = ModelAnalysis.of(self.cfg).flops_per_token()
+        fwd = m.n_layer * per_token["block"] + per_token["head"]
+        recompute = 4 if self.cfg.swap.checkpoint and not self.resident else 3
+        flops = recompute * fwd * tc.micro_batch * tc.grad_accum * m.seq_len
+        dtype = getattr(self.engine, "dtype", torch.float32)
+        return flops / _matmul_flops(self.engine_device(), dtype)
+
+    def engine_device(self):
+        return getattr(getattr(self.engine, "backend", None), "device", None) or getattr(
+            self.engine, "device", torch.device("cpu")
+        )
+
     def run(self, max_steps: int | None = None) -> RunSummary:
         tc = self.cfg.train
+        step_s = self.estimated_step_s()
+        if step_s > LONG_STEP_WARN_S:
+            log.warning(
+                "each step will take about %.0f min here (%s, %.0f tokens a step): progress "
+                "shows once a step ends; Ctrl+C stops within seconds between units",
+                step_s / 60,
+                self.engine_device(),
+                tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len,
+            )
         end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)
         summary = RunSummary(steps=self.start_step)
         bar = tqdm(
@@ -371,6 +400,25 @@ class Trainer:
                     with interrupts.saving():
                         summary.checkpoint, self._saved_step = self.save(done), done
                     t_prev = time.perf_counter()
+
+
+LONG_STEP_WARN_S = 60.0
+
+
+def _matmul_flops(device, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a 1024^2 matmul in the compute dtype on `device` (a few ms): about what
+    the model's matmuls reach, a little under (small shape), so an estimate errs long."""
+    a = torch.randn(1024, 1024, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        if a.is_cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ a
+        if a.is_cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 1024**3 / max(best, 1e-9)
 
 
 class _Interrupts:

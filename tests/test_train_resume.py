@@ -219,3 +219,26 @@ def test_ctrl_c_inside_a_long_step_is_honoured_within_seconds(tmp_path, text_dat
     assert waited < step_s / 2 + 3, (waited, step_s)  # not the rest of the step
     assert "checkpoint saved" in output and "step_00000001" in output
     assert len(metrics.read_text().splitlines()) == 1
+
+
+def test_a_step_of_minutes_is_said_before_it_starts(tmp_path, text_dataset, monkeypatch, caplog):
+    """A run whose step the machine will take minutes over says so up front (FLOPs over
+    this device's measured matmul rate), and a quick one does not."""
+    import logging
+
+    import atom.train as train
+
+    cfg = tiny_config(train={"max_steps": 1, "data": str(text_dataset)})
+    quick = Trainer(cfg, tmp_path / "a", progress=False)
+    assert quick.estimated_step_s() < 1
+    with caplog.at_level(logging.WARNING, logger="atom.train"):
+        quick.run()
+    assert "each step will take" not in caplog.text
+    monkeypatch.setattr(train, "_matmul_flops", lambda device, dtype: 1e3)  # a slow machine
+    slow = Trainer(cfg, tmp_path / "b", progress=False)
+    assert slow.estimated_step_s() > 60
+    with caplog.at_level(logging.WARNING, logger="atom.train"):
+        slow.run()
+    assert (
+        "each step will take about" in caplog.text and "Ctrl+C stops within seconds" in caplog.text
+    )
