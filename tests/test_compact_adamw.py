@@ -207,19 +207,26 @@ def test_compact_host_bytes_per_parameter():
     assert fp32_state == 8 * n  # before the first step: master and grad only
 
 
+def _train_save_continue(cfg, tmp_path, steps: int, more: int):
+    """Train `steps`, checkpoint, train `more`: (checkpoint path, the later losses)."""
+    from atom.checkpoint import save_checkpoint
+
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        _losses(engine, cfg, steps)
+        path = save_checkpoint(tmp_path, steps, engine.state_files(), {"optimizer_steps": steps})
+        return path, _losses(engine, cfg, more, start=steps)
+    finally:
+        engine.close()
+
+
 def test_compact_checkpoint_resume_continues_the_run(tmp_path):
     """Save after 4 steps, load into a fresh compact engine, train on: the same losses as
     the run that never stopped (Kahan state and moments survive the fp32 format)."""
-    from atom.checkpoint import load_checkpoint, save_checkpoint
+    from atom.checkpoint import load_checkpoint
 
     cfg = tiny_config(swap={"state": "compact"}, train={"lr": 3e-3})
-    a = SwapEngine(cfg, CpuBackend(), torch.float32)
-    try:
-        _losses(a, cfg, 4)
-        path = save_checkpoint(tmp_path, 4, a.state_files(), {"optimizer_steps": 4})
-        tail = _losses(a, cfg, 4, start=4)
-    finally:
-        a.close()
+    path, tail = _train_save_continue(cfg, tmp_path, 4, 4)
     b = SwapEngine(cfg, CpuBackend(), torch.float32, init=False)
     try:
         b.load_state(load_checkpoint(path).get, True, 4)
@@ -233,16 +240,9 @@ def test_compact_checkpoint_resume_continues_the_run(tmp_path):
 def test_fp32_checkpoint_resumes_into_compact(tmp_path):
     """Checkpoints have one format: an fp32-state run's checkpoint loads into a compact
     engine (weights to bf16 + compensation, moments to 8 bits) and its loss carries on."""
-    from atom.checkpoint import load_checkpoint, save_checkpoint
+    from atom.checkpoint import load_checkpoint
 
-    cfg = tiny_config(train={"lr": 3e-3})
-    a = SwapEngine(cfg, CpuBackend(), torch.float32)
-    try:
-        _losses(a, cfg, 6)
-        path = save_checkpoint(tmp_path, 6, a.state_files(), {"optimizer_steps": 6})
-        tail = _losses(a, cfg, 3, start=6)
-    finally:
-        a.close()
+    path, tail = _train_save_continue(tiny_config(train={"lr": 3e-3}), tmp_path, 6, 3)
     compact = tiny_config(swap={"state": "compact"}, train={"lr": 3e-3})
     b = SwapEngine(compact, CpuBackend(), torch.float32, init=False)
     try:
