@@ -34,8 +34,8 @@ def group():
     """make(name, seed, join=..., **gossip) -> GossipPeer; all closed at the end."""
     made = []
 
-    def make(name, seed=1, start=True, **gossip):
-        cfg = tiny_config(train={"seed": seed})
+    def make(name, seed=1, start=True, model=None, **gossip):
+        cfg = tiny_config(train={"seed": seed}, model=model or {})
         engine = build_engine(cfg)
         settings = {"listen": "tcp://127.0.0.1:0", "name": name or "", "pull_state": False}
         settings.update(FAST)
@@ -166,10 +166,14 @@ def test_bad_messages_are_rejected_and_the_peer_keeps_running(group):
             sock.send_multipart(frames)
             wait_until(lambda r=reason: a.counters.get(f"rejected.{r}") >= 1, 5, reason)
         # none of them got an answer but `nonfinite` (refused by the averager with a nack)
+        # and the other model/group (told "mismatch" in a's own header, at most once a
+        # second per address: one for the two)
         replies = []
         while sock.poll(300):
             replies.append(msgpack.unpackb(sock.recv_multipart()[0]))
-        assert [r["kind"] for r in replies] == ["nack"]
+        assert [r["kind"] for r in replies] == ["nack", "nack"]
+        assert sum(r.get("reason") == "mismatch" for r in replies) == 1
+        assert all(r["fp"] == a.params.fingerprint for r in replies)
     finally:
         sock.close()
         ctx.term()
@@ -283,3 +287,16 @@ def test_joiner_pulls_parameters_and_step(group):
     assert torch.equal(weights(a), weights(b))
     for buf in b.engine.store.buffers:  # the copy that crosses the bus follows master
         assert torch.equal(buf.compute[: buf.spec.n_owned].float(), buf.master)
+
+
+def test_a_joiner_with_another_model_is_told_why_at_once(group):
+    """A peer whose model differs from the group's is refused by the member it dials, and
+    learns why within a heartbeat, in one line naming the fix (it used to wait out its
+    join timeout and be told to check the address and the firewall)."""
+    a = group("a", seed=1)
+    t0 = time.monotonic()
+    with pytest.raises(GossipError, match="different model .*--set model") as err:
+        group("b", seed=2, join=a.endpoint, model={"n_layer": 2}, join_timeout_s=20.0)
+    assert time.monotonic() - t0 < 5, "waited for the join timeout"
+    assert "refused this peer" in str(err.value) and "\n" not in str(err.value)
+    assert a.counters.get("sent.mismatch") >= 1

@@ -35,7 +35,7 @@ from atom.gossip.selection import make_selector
 from atom.gossip.settings import GossipConfig, endpoint_host, is_loopback, parse_rates
 from atom.gossip.shaping import LinkShaper
 from atom.gossip.status import Counters, LogLimiter, PeerLog, write_status
-from atom.gossip.transport import Client, Incoming, Reply, Server
+from atom.gossip.transport import MISMATCHES, Client, Incoming, Reply, Server
 from atom.gossip.wire import PROTOCOL, Expect, Rejected
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,19 @@ def advertised(bound: str) -> str:
     if host in ("0.0.0.0", "::", "*"):
         return bound.replace(host, _lan_address(), 1)
     return bound
+
+
+_MISMATCH_FIX = {
+    "fingerprint": "its members train a different model (parameter names, shapes or dtypes): "
+    "use the group's --config and --set model.* values",
+    "group": "it is another group: use the group's --group-key (or none, as it does)",
+    "version": "it speaks another protocol version: run the same atom version as the group",
+}
+
+
+def _refusal_message(address: str, err: Rejected) -> str:
+    where = f"the member at {address}" if address else "a group member"
+    return f"{where} refused this peer ({err.detail or err.reason}); {_MISMATCH_FIX[err.reason]}"
 
 
 class GossipPeer:
@@ -101,6 +114,7 @@ class GossipPeer:
         self.auth = None
         self.shaper = LinkShaper(gcfg.link_mbps, parse_rates(gcfg.link_mbps_to))
         self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s)
+        self.join_refusal: tuple[str, Rejected] | None = None  # who refused us, and why
         self.merge = make_merge(gcfg.strategy, params, gcfg)
         self.selector = make_selector(
             gcfg.selection, self.id, gcfg.explore, my_work=lambda: self.averager.work_s or 0.0
@@ -200,6 +214,8 @@ class GossipPeer:
 
     def _on_reject(self, err: Rejected, address: str) -> None:
         self.counters.inc(f"rejected.{err.reason}")
+        if err.reason in MISMATCHES and self.join_refusal is None:
+            self.join_refusal = (address, err)  # join() ends on it at once
         who = err.sender or "unknown sender"
         self.limiter.warning(
             f"reject:{err.reason}:{who}",
@@ -258,6 +274,8 @@ class GossipPeer:
         if self.cfg.seeds:
             deadline = time.monotonic() + self.cfg.join_timeout_s
             while not self._ready_sources():
+                if self.join_refusal is not None:
+                    raise GossipError(_refusal_message(*self.join_refusal))
                 if time.monotonic() > deadline:
                     raise GossipError(
                         f"no group member answered at {', '.join(self.cfg.seeds)} within "

@@ -98,6 +98,7 @@ class Server:
         self.limiter = LogLimiter(plog)
         self.stop = threading.Event()
         self.endpoint = ""
+        self._told: dict[str, float] = {}  # address -> when it was last told it mismatches
         self._inproc = f"inproc://atom-gossip-replies-{next(_server_ids)}-{id(self)}"
         self._jobs: queue.Queue = queue.Queue(maxsize=workers * 2)
         self._n_workers = workers
@@ -207,6 +208,8 @@ class Server:
             if err.reason == "oversized" and err.sender is None and parts:
                 err.sender = _sender_hint(parts[0])
             self.on_reject(err, address)
+            if err.reason in MISMATCHES:
+                self._tell_mismatch(router, ident, address)
             return
         incoming = Incoming(header, parts[1:], nbytes, address)
         self.counters.inc(f"recv.{header['kind']}")
@@ -224,6 +227,26 @@ class Server:
             return
         if reply is not None:
             self._reply(router, ident, incoming, reply)
+
+    def _tell_mismatch(self, router: zmq.Socket, ident: Any, address: str) -> None:
+        """Answer a well-formed message from another group, model or protocol version with
+        a `nack` in our own header: the sender's check of it fails on the same field, so a
+        joiner learns at once why it is refused (it used to wait out its join timeout and
+        be told to check its firewall). At most once a second per address, no tensors."""
+        now = time.monotonic()
+        if now - self._told.get(address, -1e9) < 1.0:
+            return
+        if len(self._told) > 1024:  # bounded: forget the oldest half
+            for key in sorted(self._told, key=self._told.get)[:512]:
+                del self._told[key]
+        self._told[address] = now
+        header = self.make_header(_NoRequest(), "nack")
+        header["reason"] = "mismatch"
+        try:
+            router.send_multipart([ident, pack(header)], flags=zmq.NOBLOCK)
+            self.counters.inc("sent.mismatch")
+        except zmq.ZMQError:
+            pass
 
     def refusal(self, incoming: Incoming, kind: str, reason: str) -> Reply:
         """A `busy` (try again later) or `nack` (will not serve this) reply."""
@@ -295,6 +318,15 @@ def _sender_hint(frame: Any) -> str | None:
         )
     except Exception:
         return None
+
+
+class _NoRequest:
+    """Stands in for a request that failed validation when a reply header is made for it."""
+
+    header = {"rid": 0}
+
+
+MISMATCHES = ("group", "fingerprint", "version")  # a peer of another run, not an attacker
 
 
 class Client:
