@@ -169,6 +169,38 @@ def _load_tokenizer(spec: str) -> _Tokenizer:
     return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok))
 
 
+BLOCK_BYTES = 1 << 22
+_SPACE = b" \t\n\r\x0b\x0c"
+
+
+def file_blocks(path: Path, size: int | None = None) -> Iterator[bytes]:
+    """A file in blocks of about `size` bytes, so a corpus of any size is tokenized in
+    bounded memory. Each block ends just before a whitespace byte that starts a word (as
+    text_pieces cuts text: the tokens are those of the whole file), or, with no such place
+    in the block's second half, at a UTF-8 character boundary."""
+    size = size or BLOCK_BYTES
+    data = b""
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            data += chunk
+            while len(data) > size:
+                cut = _word_cut(data, size)
+                yield data[:cut]
+                data = data[cut:]
+    if data:
+        yield data
+
+
+def _word_cut(data: bytes, size: int) -> int:
+    for i in range(size, size // 2, -1):
+        if data[i - 1] in _SPACE and data[i] not in _SPACE:
+            return i - 1  # before the whitespace, which belongs to the next word
+    cut = size
+    while cut > size // 2 and 0x80 <= data[cut] < 0xC0:  # not inside a UTF-8 character
+        cut -= 1
+    return cut
+
+
 def _head(path: Path, n: int = 8192) -> bytes:
     with open(path, "rb") as f:
         return f.read(n)
@@ -294,7 +326,8 @@ def prepare(
             ):
                 yield from jsonl_chunks(path, tok)
                 continue
-            yield tok.encode(path.read_bytes(), path)
+            for block in file_blocks(path):
+                yield tok.encode(block, path)
 
     meta = _write_dataset(chunks(), Path(out_dir), tok, val_fraction, source)
     logger.info(

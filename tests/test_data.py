@@ -123,14 +123,16 @@ def test_interrupted_prepare_leaves_no_meta(tmp_path: Path, monkeypatch) -> None
     prepare([tmp_path / "src"], out, progress=False)
     assert (out / "meta.json").exists()
 
-    real_read = Path.read_bytes
+    import atom.data as data
 
-    def flaky_read(self: Path) -> bytes:
-        if self.name == "2.txt":
+    real_blocks = data.file_blocks
+
+    def flaky_blocks(path: Path, size=None):
+        if path.name == "2.txt":
             raise KeyboardInterrupt  # stands in for a kill part-way through tokenizing
-        return real_read(self)
+        return real_blocks(path, size)
 
-    monkeypatch.setattr(Path, "read_bytes", flaky_read)
+    monkeypatch.setattr(data, "file_blocks", flaky_blocks)
     with pytest.raises(KeyboardInterrupt):
         prepare([tmp_path / "src"], out, progress=False)
     # The old dataset's meta.json is gone, so the dir no longer claims to be complete,
@@ -361,3 +363,37 @@ def test_bpe_encoding_in_pieces_equals_the_whole(tmp_path: Path) -> None:
     assert len(pieces) > 50 and "".join(pieces) == text
     assert [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids] == whole
     assert list(text_pieces("x" * 2500, size=1000)) == ["x" * 1000, "x" * 1000, "x" * 500]
+
+
+def test_files_are_read_in_blocks_cut_before_a_word(tmp_path: Path) -> None:
+    """prepare reads a file in blocks (bounded memory for a corpus of any size): the blocks
+    are the file, each cut before a word or, with none near, at a UTF-8 boundary; the
+    byte tokenizer's ids and a dataset prepared from them are those of the whole file."""
+    from atom.data import file_blocks
+
+    rng = np.random.default_rng(1)
+    words = ["über", "naïve", "fox", "—", "dog", "42"]
+    text = "".join(rng.choice(words) + rng.choice([" ", "\n", "  "]) for _ in range(3000))
+    src = tmp_path / "words.txt"
+    src.write_text(text)
+    blocks = list(file_blocks(src, size=1000))
+    assert b"".join(blocks) == src.read_bytes() and len(blocks) > 10
+    assert all(len(b) <= 1000 for b in blocks)
+    assert all(b[:1] in (b" ", b"\n") for b in blocks[1:])  # each starts its word
+    dense = tmp_path / "dense.txt"
+    dense.write_text("é" * 3000)  # no whitespace at all: cut between characters
+    parts = list(file_blocks(dense, size=1001))
+    assert b"".join(parts) == dense.read_bytes()
+    assert all(p.decode("utf-8") for p in parts)  # every block decodes on its own
+    import atom.data as data
+
+    small = data.BLOCK_BYTES
+    try:
+        data.BLOCK_BYTES = 1000
+        prepare([src], tmp_path / "ds", progress=False)
+    finally:
+        data.BLOCK_BYTES = small
+    ids = np.concatenate(
+        [read_split(tmp_path / "ds", n, "uint8") for n in ("train.bin", "val.bin")]
+    )
+    assert ids.tobytes() == src.read_bytes()

@@ -450,9 +450,9 @@ def test_export_refuses_a_non_empty_directory(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
 
 
-def test_fine_tuning_on_byte_level_data_is_refused(tmp_path):
-    """Byte ids fed to a BPE model train its first 256 tokens on the wrong text: refused,
-    with the prepare command that fixes it (it used to be a warning)."""
+def test_fine_tuning_on_another_tokenizers_data_is_refused(tmp_path):
+    """Byte ids (or another tokenizer's ids) fed to a checkpoint train its embeddings on
+    the wrong text: refused, with the prepare command that fixes it (they were warnings)."""
     from types import SimpleNamespace
 
     from atom.errors import DataError
@@ -460,3 +460,9 @@ def test_fine_tuning_on_byte_level_data_is_refused(tmp_path):
 
     with pytest.raises(DataError, match=f"--tokenizer {tmp_path}"):
         _check_tokenizer(SimpleNamespace(path=tmp_path), "byte")
+    (tmp_path / "tokenizer.json").write_text('{"model": "theirs"}')
+    other = tmp_path / "other.json"
+    other.write_text('{"model": "mine"}')
+    with pytest.raises(DataError, match="differs from .*--tokenizer"):
+        _check_tokenizer(SimpleNamespace(path=tmp_path), f"tokenizers:{other}")
+    _check_tokenizer(SimpleNamespace(path=tmp_path), f"tokenizers:{tmp_path / 'tokenizer.json'}")

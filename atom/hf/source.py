@@ -475,11 +475,10 @@ def _check_tokenizer(src: HFSource, spec: str) -> None:
         )
     path = Path(spec.removeprefix("tokenizers:"))
     if own.is_file() and path.is_file() and path.read_bytes() != own.read_bytes():
-        log.warning(
-            "the dataset was tokenized with %s, which differs from %s; the checkpoint's "
-            "embeddings expect its own tokenizer",
-            path,
-            own,
+        raise DataError(
+            f"the dataset was tokenized with {path}, which differs from {own} (the "
+            f"checkpoint's embeddings expect its own); prepare it with: atom prepare FILES "
+            f"--out DIR --tokenizer {src.path}"
         )
 
 
