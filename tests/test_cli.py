@@ -354,3 +354,16 @@ def test_a_save_the_system_refuses_is_one_line_and_keeps_the_last_checkpoint(
     first = out / "checkpoints" / "step_00000002"
     assert os.strerror(err_no) in err and f"previous checkpoint {first} is intact" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+
+
+def test_a_run_that_does_not_use_deepspeed_does_not_import_it(tmp_path):
+    """DeepSpeed prints an accelerator warning on import and takes seconds: only
+    train.optimizer=deepspeed may load it."""
+    code = (
+        "import sys; from atom.cli import main; "
+        f"assert main(['train', '--max-steps', '1', '--out', {str(tmp_path / 'r')!r}, "
+        "'--no-progress', '--set', 'model.n_layer=1']) == 0; "
+        "assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
