@@ -37,8 +37,9 @@ from atom.swap.backend import Backend
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.host_store import HostStore
 from atom.swap.host_worker import HostWorker
+from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan
-from atom.swap.slots import DeviceSlots
+from atom.swap.slots import DeviceSlots, MemoryLedger
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 
 log = logging.getLogger(__name__)
@@ -56,25 +57,6 @@ class StepResult:
     loss: float
     grad_norm: float | None
     skipped: bool = False
-
-
-class MemoryLedger:
-    """The engine's own account of device bytes: slots + activations it keeps alive."""
-
-    def __init__(self, base: int = 0):
-        self.base = base
-        self.current = base
-        self.peak = base
-
-    def add(self, n: int) -> None:
-        self.current += n
-        self.peak = max(self.peak, self.current)
-
-    def sub(self, n: int) -> None:
-        self.current -= n
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
 
 
 @dataclass
@@ -97,22 +79,6 @@ class _StepState:
     grad_h: dict = field(default_factory=dict)  # micro -> gradient at the backward frontier
     saved: dict = field(default_factory=dict)  # (unit, micro) -> checkpoint or graph
     acc: dict = field(default_factory=dict)  # unit -> (flat device gradient, its views)
-
-
-class LossScaler:
-    """Dynamic loss scaling for fp16 (GPUs without bf16): halve on overflow, double after
-    `interval` clean steps."""
-
-    def __init__(self, init: float = 2.0**16, interval: int = 1000):
-        self.scale, self.interval, self._good = init, interval, 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self._good = max(self.scale / 2, 1.0), 0
-        else:
-            self._good += 1
-            if self._good >= self.interval:
-                self.scale, self._good = self.scale * 2, 0
 
 
 class SwapEngine:

@@ -1,4 +1,5 @@
-"""DeviceSlots: the fixed pool of device buffers that unit parameters are loaded into.
+"""DeviceSlots: the fixed pool of device buffers that unit parameters are loaded into;
+MemoryLedger: the engine's account of the device bytes it holds (slots and activations).
 
 The pool size is the resident bound: nothing else of the parameters is ever on the
 device. Each slot moves through free -> loading -> resident -> free; transitions are
@@ -99,3 +100,22 @@ class DeviceSlots:
     def release_all(self) -> None:
         for unit in list(self._where):
             self.release(unit)
+
+
+class MemoryLedger:
+    """The engine's own account of device bytes: slots + activations it keeps alive."""
+
+    def __init__(self, base: int = 0):
+        self.base = base
+        self.current = base
+        self.peak = base
+
+    def add(self, n: int) -> None:
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, n: int) -> None:
+        self.current -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
