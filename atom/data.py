@@ -97,16 +97,28 @@ class _Tokenizer:
 PIECE_CHARS = 1 << 20
 
 
+def _single_space(text, i: int) -> bool:
+    """A lone space between two non-space characters (text may be str or bytes)."""
+    space = " " if isinstance(text, str) else 32
+    return text[i] == space and not _is_space(text[i - 1]) and not _is_space(text[i + 1])
+
+
+def _is_space(c) -> bool:
+    return c.isspace() if isinstance(c, str) else c in _SPACE
+
+
 def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
-    """`text` in pieces of about `size` characters, each cut just before a whitespace
-    character that starts a word (" word", "\nword"): where BPE pre-tokenizers (GPT-2's
-    byte-level, Llama's) put a boundary anyway, so encoding the pieces one by one gives
-    the tokens of the whole. A text with no such place in a piece's reach is cut at it."""
+    """`text` in pieces of about `size` characters, each cut just before a lone space that
+    starts a word ("a word" -> "a" + " word"): where BPE pre-tokenizers put a boundary
+    anyway (GPT-2's byte-level, tiktoken-style, SentencePiece's metaspace), so encoding the
+    pieces one by one gives the tokens of the whole (tested for byte-level BPE). Runs of
+    whitespace and newlines are never cut. A text with no such place in a piece's second
+    half is cut at its end."""
     start, n = 0, len(text)
     while n - start > size:
         end = start + size
         cut = end
-        while cut > start + size // 2 and not (text[cut - 1].isspace() and not text[cut].isspace()):
+        while cut > start + size // 2 and not _single_space(text, cut - 1):
             cut -= 1
         if cut == start + size // 2:  # no word boundary in the second half: cut anyway
             cut = end
@@ -175,7 +187,7 @@ _SPACE = b" \t\n\r\x0b\x0c"
 
 def file_blocks(path: Path, size: int | None = None) -> Iterator[bytes]:
     """A file in blocks of about `size` bytes, so a corpus of any size is tokenized in
-    bounded memory. Each block ends just before a whitespace byte that starts a word (as
+    bounded memory. Each block ends just before a lone space that starts a word (as
     text_pieces cuts text: the tokens are those of the whole file), or, with no such place
     in the block's second half, at a UTF-8 character boundary."""
     size = size or BLOCK_BYTES
@@ -192,9 +204,9 @@ def file_blocks(path: Path, size: int | None = None) -> Iterator[bytes]:
 
 
 def _word_cut(data: bytes, size: int) -> int:
-    for i in range(size, size // 2, -1):
-        if data[i - 1] in _SPACE and data[i] not in _SPACE:
-            return i - 1  # before the whitespace, which belongs to the next word
+    for i in range(size - 1, size // 2, -1):
+        if _single_space(data, i):
+            return i  # before the space, which belongs to the next word
     cut = size
     while cut > size // 2 and 0x80 <= data[cut] < 0xC0:  # not inside a UTF-8 character
         cut -= 1
@@ -206,15 +218,16 @@ def _head(path: Path, n: int = 8192) -> bytes:
         return f.read(n)
 
 
-def _looks_like_jsonl(head: bytes) -> bool:
+def _looks_like_jsonl(path: Path, most: int = 1 << 24) -> bool:
     """JSON Lines whatever the file is called (a .json file of records, say): the first
-    non-empty line is a whole JSON object."""
-    for line in head.splitlines():
-        if line.strip():
-            try:
-                return isinstance(json.loads(line), dict)
-            except ValueError:
-                return False
+    non-empty line (up to 16 MiB) is a whole JSON object."""
+    with open(path, "rb") as f:
+        for line in iter(lambda: f.readline(most), b""):
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line), dict)
+                except ValueError:
+                    return False
     return False
 
 
@@ -322,7 +335,7 @@ def prepare(
                 )
             # records, one a line: .jsonl, or recognised by content (a .json file of records)
             if path.suffix == ".jsonl" or (
-                path.suffix not in TEXT_SUFFIXES and _looks_like_jsonl(head)
+                path.suffix not in TEXT_SUFFIXES and _looks_like_jsonl(path)
             ):
                 yield from jsonl_chunks(path, tok)
                 continue

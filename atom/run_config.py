@@ -60,6 +60,13 @@ def resume_changes(saved: dict, cfg: Config) -> list[str]:
     from atom.config import ConfigError
 
     before, after = Config.from_dict(saved).to_dict(), cfg.to_dict()
+    bt, at = before["train"], after["train"]
+    # resume_run_config pinned the decay to the planned length: one line says both
+    extended = (
+        bt["lr_decay_steps"] is None
+        and at["max_steps"] > bt["max_steps"]
+        and at["lr_decay_steps"] == bt["max_steps"]
+    )
     changes = []
     for section, values in after.items():
         for key, value in values.items():
@@ -73,13 +80,14 @@ def resume_changes(saved: dict, cfg: Config) -> list[str]:
                     f"{value!r}); --resume continues it as saved: drop that --set, or start "
                     "a new run with another --out"
                 )
-            if name == "train.lr_decay_steps" and old is None:
+            if extended and name == "train.lr_decay_steps":
+                continue
+            if extended and name == "train.max_steps":
                 changes.append(
-                    f"train.max_steps {before['train']['max_steps']} -> "
-                    f"{after['train']['max_steps']}: the LR keeps its planned decay over "
-                    f"{value} steps and stays at min_lr after it (--set "
-                    "train.lr_decay_steps=N plans another)"
+                    f"train.max_steps: {old} -> {value}; the LR keeps its planned decay over "
+                    f"{old} steps and stays at min_lr after it (--set train.lr_decay_steps=N "
+                    "plans another)"
                 )
-            elif name != "train.max_steps" or after["train"]["lr_decay_steps"] is not None:
+            else:
                 changes.append(f"{name}: {old!r} -> {value!r}")
     return changes

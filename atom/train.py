@@ -55,7 +55,10 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
         ):
             if all(getattr(cfg.swap, k) == v for k, v in sets.items()):
                 continue
-            leaner = host_bytes_needed(replace(cfg, swap=sets), dtype)[1]
+            try:
+                leaner = host_bytes_needed(replace(cfg, swap=sets), dtype)[1]
+            except ConfigError:  # that setting is not allowed with this config anyway
+                continue
             if leaner < need and leaner <= available:
                 flags = " ".join(f"--set swap.{k}={v}" for k, v in sets.items())
                 fix = f"{flags} needs {leaner / 2**30:.1f} GiB ({what}), or add RAM"
@@ -154,6 +157,7 @@ class Trainer:
             from atom.hf import load_weights  # fine-tuning: weights from a Hugging Face dir
 
             load_weights(self.engine, cfg, tokenizer=self.data.meta.tokenizer)
+        self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
         self.gossip = None
         if cfg.gossip.enabled:  # peers: listen, join, copy the group's weights and step
             from atom.gossip.peer import attach_gossip
@@ -297,25 +301,29 @@ class Trainer:
             file=sys.stderr,
         )
         rates: list[float] = []
-        self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
         self._saved_step = None
         with _Interrupts() as interrupts:
             try:
                 self._loop(summary, end, bar, interrupts, rates)
             except KeyboardInterrupt:
-                bar.close()
-                self._stop_gossip()  # goodbye first: no merge lands while it is written
-                if self._saved_step == summary.steps:  # stopped right after a save
-                    self.interrupt_checkpoint = summary.checkpoint
-                elif summary.steps > self.start_step and not interrupts.save_abandoned:
-                    log.warning("interrupted: saving a checkpoint at step %d", summary.steps)
-                    with interrupts.saving():
-                        self.interrupt_checkpoint = self.save(summary.steps)
-                    summary.checkpoint = self.interrupt_checkpoint
-                self.engine.close()
+                try:
+                    bar.close()
+                    self._stop_gossip()  # goodbye first: no merge lands while it is written
+                    if self._saved_step == summary.steps:  # stopped right after a save
+                        self.interrupt_checkpoint = summary.checkpoint
+                    elif summary.steps > self.start_step and not interrupts.save_abandoned:
+                        log.warning("interrupted: saving a checkpoint at step %d", summary.steps)
+                        with interrupts.saving():
+                            self.interrupt_checkpoint = self.save(summary.steps)
+                        summary.checkpoint = self.interrupt_checkpoint
+                finally:  # however it ends (another Ctrl+C too): the disk tier is removed
+                    self.engine.close()
                 raise
             except BaseException:
-                self._stop_gossip()
+                try:
+                    self._stop_gossip()
+                finally:
+                    self.engine.close()
                 raise
             bar.close()
             self._stop_gossip()

@@ -367,3 +367,21 @@ def test_a_run_that_does_not_use_deepspeed_does_not_import_it(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_resume_names_each_max_steps_change_once():
+    from atom.run_config import resume_changes, resume_run_config
+    from tests.conftest import tiny_config
+
+    saved = tiny_config(train={"max_steps": 300}).to_dict()
+
+    def said(*sets, max_steps=None):
+        return resume_changes(saved, resume_run_config(saved, list(sets), max_steps))
+
+    assert said(max_steps=600) == [
+        "train.max_steps: 300 -> 600; the LR keeps its planned decay over 300 steps and "
+        "stays at min_lr after it (--set train.lr_decay_steps=N plans another)"
+    ]
+    assert said(max_steps=100) == ["train.max_steps: 300 -> 100"]
+    assert said("train.lr_decay_steps=1000") == ["train.lr_decay_steps: None -> 1000"]
+    assert said() == []

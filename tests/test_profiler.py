@@ -343,3 +343,17 @@ def test_train_refusal_names_compact_state_when_it_would_fit(monkeypatch):
         train.check_host_memory(cfg, torch.bfloat16)
     compact_cfg = replace(cfg, swap={"state": "compact"})
     assert train.check_host_memory(compact_cfg, torch.bfloat16) == compact
+
+
+def test_train_refusal_is_about_ram_whatever_else_the_config_rules_out(monkeypatch):
+    """A leaner setting the config does not allow (compact with DeepSpeed's optimizer) is
+    skipped, not raised in place of the RAM message."""
+    from types import SimpleNamespace
+
+    import atom.train as train
+
+    cfg = tiny_config(train={"optimizer": "deepspeed"})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1024))
+    with pytest.raises(ConfigError, match="host RAM") as err:
+        train.check_host_memory(cfg, torch.bfloat16)
+    assert "8-bit AdamW" not in str(err.value)

@@ -432,3 +432,33 @@ def test_bf16_orders_sum_the_same_gradients():
             engine.close()
     for name, p in results["unit"].items():
         assert torch.equal(p, results["micro"][name]), name
+
+
+@pytest.mark.parametrize("clip", [1.0, 0.0])
+def test_stop_abandons_a_step_only_before_its_first_update(clip):
+    """Ctrl+C inside a long step (`stop`): with clipping (updates wait for the step's end)
+    the step is abandoned and the weights are untouched; without it, units update as
+    their gradients land, so once one has, the step runs to its end (a checkpoint of the
+    step before must not hold some units of this one)."""
+    cfg = tiny_config(train={"grad_clip": clip})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        before = {n: p.clone() for n, p in engine.named_parameters().items()}
+        n_forward = len(engine.units)
+        asked = [0]
+
+        def stop() -> bool:  # Ctrl+C arrives in the backward, after the head's gradient
+            asked[0] += 1
+            return asked[0] > n_forward
+
+        if clip:
+            with pytest.raises(KeyboardInterrupt):
+                engine.train_step(batches_for(1, cfg), 1e-3, stop=stop)
+            after = engine.named_parameters()
+            assert all(torch.equal(after[n], p) for n, p in before.items())
+        else:
+            assert engine.train_step(batches_for(1, cfg), 1e-3, stop=stop).loss > 0
+        engine.train_step(batches_for(2, cfg), 1e-3)  # usable either way
+    finally:
+        engine.close()

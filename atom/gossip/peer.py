@@ -161,7 +161,7 @@ class GossipPeer:
     def _client(self, stop: threading.Event) -> Client:
         return Client(
             self.ctx, self.keys, self.expect, self.max_bytes, self.shaper, self.counters,
-            self._on_reject, stop,
+            self._on_reply_reject, stop,
         )  # fmt: skip
 
     @property
@@ -212,10 +212,15 @@ class GossipPeer:
         self.table.heard(incoming.header)  # only once its tensors passed every check
         return reply
 
+    def _on_reply_reject(self, err: Rejected, address: str) -> None:
+        """A reply to our own request failed its check: a member of another group, model or
+        protocol answered (join() ends on it at once)."""
+        if err.reason in MISMATCHES and self.join_refusal is None:
+            self.join_refusal = (address, err)
+        self._on_reject(err, address)
+
     def _on_reject(self, err: Rejected, address: str) -> None:
         self.counters.inc(f"rejected.{err.reason}")
-        if err.reason in MISMATCHES and self.join_refusal is None:
-            self.join_refusal = (address, err)  # join() ends on it at once
         who = err.sender or "unknown sender"
         self.limiter.warning(
             f"reject:{err.reason}:{who}",

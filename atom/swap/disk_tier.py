@@ -29,21 +29,19 @@ import os
 import queue
 import shutil
 import threading
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from atom.errors import ConfigError
+from atom.swap.pinned import ALIGN  # a page: O_DIRECT wants aligned buffers, offsets, lengths
+from atom.swap.pinned import page_aligned as _aligned
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096  # O_DIRECT wants block-aligned buffers, offsets and lengths
 PREFIX = "atom-tier-"
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -124,6 +122,8 @@ class DiskTier:
             )
         self.dir = root / f"{PREFIX}{os.getpid()}-{id(self):x}"
         self.dir.mkdir()
+        # removed at interpreter exit too, if close() never ran (an exception on the way out)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.direct = False
         self._fds = [self._create(i, r.nbytes) for i, r in enumerate(records)]
         slot_bytes = max(r.nbytes for r in records)
@@ -273,7 +273,9 @@ class DiskTier:
 
     def flush(self) -> None:
         """Wait for every queued write."""
-        for event in list(self._written.values()):
+        with self._lock:
+            pending = list(self._written.values())
+        for event in pending:
             event.wait()
         if self.error is not None:
             raise RuntimeError("the disk tier failed (see the log)") from self.error
@@ -289,7 +291,7 @@ class DiskTier:
                 t.join(timeout=30)
             for fd in self._fds:
                 os.close(fd)
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self._finalizer()  # removes the directory, once
 
 
 def _done_event() -> threading.Event:

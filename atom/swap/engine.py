@@ -35,7 +35,7 @@ from atom.model import build_model
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
 from atom.swap.backend import Backend
 from atom.swap.disk_tier import DiskTier, UnitRecord
-from atom.swap.host_store import HostStore
+from atom.swap.host_store import HostStore, gather_owned
 from atom.swap.host_worker import HostWorker
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan
@@ -114,6 +114,7 @@ class SwapEngine:
         self.worker = HostWorker(on_error=self._unblock_all)
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
+        self._updating = False  # this step has queued a unit update (it can no longer stop)
         self._plans: dict[tuple, StepPlan] = {}
         self._scratch: torch.Tensor | None = None  # host fp32, for mixed-dtype landings
         # per-parameter views of each unit's host gradient, in unit.params order
@@ -238,8 +239,11 @@ class SwapEngine:
     ) -> StepResult:
         """One optimizer step. `stop`, asked between unit visits, abandons the step (as
         KeyboardInterrupt, leaving the engine as before it) when it says so: a step of
-        minutes still answers Ctrl+C within a visit."""
+        minutes still answers Ctrl+C within a visit. Only until the step's first update
+        is queued (no clipping, or eager): after that it runs to its end, or a checkpoint
+        of the previous step would hold some units of this one."""
         self.worker.check()
+        self._updating = False
         self._lr = lr
         n_micro = len(batches)
         N = len(self.units)
@@ -252,7 +256,7 @@ class SwapEngine:
         try:
             self._advance(plan, -1, None)
             for pos, v in enumerate(plan.visits):
-                if stop is not None and stop():
+                if stop is not None and not self._updating and stop():
                     raise KeyboardInterrupt
                 m, u = v.micro, v.unit
                 if v.phase == "f" and u == 0:
@@ -392,8 +396,10 @@ class SwapEngine:
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
             buf.ready.clear()  # the next copy of this unit must wait for its update
-            if not self.deferred and self.tier is not None:
-                self.tier.prefetch(u)  # its update follows the landing on the worker
+            if not self.deferred:
+                self._updating = True  # the landing below updates the unit
+                if self.tier is not None:
+                    self.tier.prefetch(u)  # its update follows the landing on the worker
 
         def land() -> None:
             host = self.backend.wait_host(transfer)
@@ -573,17 +579,9 @@ class SwapEngine:
                 self.store.load_master(u, get)
                 if has_optim:
                     for key in STATE_KEYS:
-                        flat = self._gather(buf.spec, get, f"optim.{key}.")
+                        flat = gather_owned(buf.spec, get, f"optim.{key}.")
                         opt.load_state_flat(key, flat, steps)
                 self.store.refresh_compute(u)
-
-    @staticmethod
-    def _gather(spec: UnitSpec, get: Callable[[str], torch.Tensor], prefix: str) -> torch.Tensor:
-        """A unit's owned tensors from a checkpoint, flat fp32 in unit order."""
-        flat = torch.empty(spec.n_owned)
-        for name, view in spec.owned_views(flat).items():
-            view.copy_(get(prefix + name))
-        return flat
 
     def device_peak_bytes(self) -> int:
         return self.backend.peak_allocated() or self.ledger.peak

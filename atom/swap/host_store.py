@@ -31,6 +31,15 @@ from atom.swap.backend import Backend
 from atom.swap.units import UnitSpec
 
 
+def gather_owned(spec: UnitSpec, get, prefix: str = "") -> torch.Tensor:
+    """A unit's owned tensors from a checkpoint (`get(prefix + name)`), flat fp32 in the
+    unit's order."""
+    flat = torch.empty(spec.n_owned)
+    for name, view in spec.owned_views(flat).items():
+        view.copy_(get(prefix + name))
+    return flat
+
+
 @dataclass
 class UnitBuffers:
     spec: UnitSpec
@@ -135,10 +144,7 @@ class HostStore:
             for name, view in buf.spec.owned_views(buf.master).items():
                 view.copy_(get(name))
             return
-        values = torch.empty(buf.spec.n_owned)
-        for name, view in buf.spec.owned_views(values).items():
-            view.copy_(get(name))
-        self.write_master(index, values)
+        self.write_master(index, gather_owned(buf.spec, get))
 
     def add_master(self, index: int, delta: torch.Tensor) -> None:
         if self.compact:

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # page: DMA-friendly, and any dtype's view of a slice is aligned
 
 
-def _aligned(n: int) -> int:
+def page_aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
@@ -53,7 +53,7 @@ class PinnedArena:
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
-            total += _aligned(max(size, 1))
+            total += page_aligned(max(size, 1))
         self.nbytes = total
         # over-allocate by a page to start the registered region on a page boundary
         raw = np.empty(total + ALIGN, dtype=np.uint8)
