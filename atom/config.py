@@ -37,6 +37,15 @@ class ModelConfig:
     qkv_bias: bool = False  # llama only: biases on q/k/v projections (Qwen2)
     tie_embeddings: bool | None = None  # None: True for gpt, False for llama
     rope_theta: float = 10000.0
+    # llama only: RoPE frequency scaling, as Hugging Face's rope_scaling/rope_parameters:
+    # "default" (none), "linear" (every frequency / rope_factor: positions stretched), or
+    # "llama3" (Llama 3.1+: low frequencies / rope_factor, high ones kept, a smooth ramp
+    # between, from rope_low_freq_factor, rope_high_freq_factor and the original context)
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     norm_eps: float = 1e-5
     multiple_of: int = 256  # llama d_ff rounding
     init_std: float = 0.02
@@ -60,6 +69,18 @@ class ModelConfig:
             )
         if self.gelu not in ("none", "tanh"):
             raise ValueError(f"model.gelu must be 'none' or 'tanh', got {self.gelu!r}")
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"model.rope_type must be default|linear|llama3, got {self.rope_type!r}"
+            )
+        if self.rope_type != "default" and self.arch != "llama":
+            raise ValueError("model.rope_type applies to arch llama (gpt has learned positions)")
+        if self.rope_factor < 1 or self.rope_original_max_position < 1:
+            raise ValueError("model.rope_factor and rope_original_max_position must be >= 1")
+        if self.rope_type == "llama3" and not (
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ValueError("llama3 RoPE needs 0 < rope_low_freq_factor < rope_high_freq_factor")
         if self.arch == "llama" and (self.d_model // self.n_head) % 2:
             raise ValueError("llama needs an even head dimension (d_model / n_head) for RoPE")
 

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from atom.config import Config, ConfigError, replace
+from atom.config import Config, ConfigError, ModelConfig, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
 
@@ -173,8 +173,8 @@ class Trainer:
     def _open_resume(self, path: Path):
         ckpt = load_checkpoint(Path(path))
         saved_model = ckpt.meta.get("config", {}).get("model")
-        if isinstance(saved_model, dict):  # saved before model.init_from existed
-            saved_model = {"init_from": None, **saved_model}
+        if isinstance(saved_model, dict):  # keys added since it was saved take their default
+            saved_model = {**ModelConfig().__dict__, **saved_model}
         if saved_model != self.cfg.to_dict()["model"]:
             raise CheckpointError(
                 f"checkpoint {ckpt.path} was trained with a different model config; "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from atom.config import Config, ConfigError, replace
+from atom.config import Config, ConfigError, ModelConfig, replace
 from profiler.analysis import ModelAnalysis, dtype_bytes
 from profiler.cost import Candidate, Prediction, predict
 from profiler.hardware import GiB, HardwareSpec
@@ -74,7 +74,8 @@ class Plan:
 
     def apply(self, cfg: Config) -> Config:
         """cfg with this plan's partition and batch; refuses a plan made for another model."""
-        if self.model != cfg.to_dict()["model"]:
+        # keys added to the model section since the plan was made take their default
+        if {**ModelConfig().__dict__, **self.model} != cfg.to_dict()["model"]:
             raise ConfigError(
                 "the plan was made for a different model config; run `atom "
                 "profile` with the same --config/--set model.* values"

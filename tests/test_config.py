@@ -93,3 +93,20 @@ def test_the_ground_floor_config_loader_leaves_hugging_face_to_the_run_loader(tm
     path.write_text("model: hf:/no/such/checkpoint\n")
     with pytest.raises(ConfigError, match="load_run_config"):
         load_config(path)
+
+
+def test_rope_scaling_is_validated():
+    from atom.config import ConfigError
+    from tests.conftest import tiny_config
+
+    llama = {"arch": "llama"}
+    with pytest.raises(ConfigError, match="rope_type must be"):
+        tiny_config(model={**llama, "rope_type": "yarn"})
+    with pytest.raises(ConfigError, match="applies to arch llama"):
+        tiny_config(model={"rope_type": "linear", "rope_factor": 2.0})
+    with pytest.raises(ConfigError, match="rope_low_freq_factor < rope_high_freq_factor"):
+        tiny_config(model={**llama, "rope_type": "llama3", "rope_low_freq_factor": 4.0})
+    assert (
+        tiny_config(model={**llama, "rope_type": "llama3", "rope_factor": 8.0}).model.rope_factor
+        == 8
+    )

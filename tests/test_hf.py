@@ -28,6 +28,7 @@ pytest.importorskip("tokenizers")
 
 from atom.checkpoint import load_checkpoint  # noqa: E402
 from atom.cli import main  # noqa: E402
+from atom.config import replace  # noqa: E402
 from atom.data import TokenData, prepare  # noqa: E402
 from atom.hf import HFSource, model_bytes  # noqa: E402
 from atom.model import build_model, materialize  # noqa: E402
@@ -336,12 +337,18 @@ def edit_config(path: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "family,changes,argv,needle",
     [
-        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, [], "rope_scaling"),
+        ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [], "rope_scaling"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+            [],
+            "'yarn' is not supported",
+        ),
         (
             "llama",
             {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
             [],
-            "'llama3' is not supported",
+            "lacks a valid 'low_freq_factor'",
         ),
         ("llama", {"attention_bias": True}, [], "attention_bias"),
         ("mistral", {"sliding_window": 16}, ["--set", "model.seq_len=32"], "sliding_window=16"),
@@ -466,3 +473,36 @@ def test_fine_tuning_on_another_tokenizers_data_is_refused(tmp_path):
     with pytest.raises(DataError, match="differs from .*--tokenizer"):
         _check_tokenizer(SimpleNamespace(path=tmp_path), f"tokenizers:{other}")
     _check_tokenizer(SimpleNamespace(path=tmp_path), f"tokenizers:{tmp_path / 'tokenizer.json'}")
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        # Llama 3.1's, with a short original context so that all three frequency bands
+        # (kept, ramped, divided) occur in a 64-dim head
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 16},
+    ],
+    ids=["linear", "llama3"],
+)  # fmt: skip
+def test_scaled_rope_checkpoints_give_transformers_logits(tmp_path, tok_dir, hf_data, scaling):
+    """Llama 3.x (rope type llama3) and linearly scaled RoPE load, and give transformers'
+    logits to fp32 precision on a sequence past the original context; an export writes
+    the scaling back and transformers reads the same model from it."""
+    src = save_hf("llama", tmp_path / "src", tok_dir, rope_scaling=dict(scaling))
+    cfg = load_run_config(None, [*TRAIN, f"train.data={hf_data}"], model=str(src))
+    assert cfg.model.rope_type == scaling["rope_type"]
+    assert cfg.model.rope_factor == scaling["factor"]
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = atom_model(cfg, HFSource(src).getter(cfg.model))(x)[0]
+        theirs = hf_model(src)(x).logits
+        plain = replace(cfg, model={"rope_type": "default"})
+        unscaled = atom_model(plain, HFSource(src).getter(plain.model))(x)[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (ours - unscaled).abs().max().item() > 1e-3  # the scaling is exercised
+    from atom.hf.export import _fresh_config
+
+    written = _fresh_config(cfg.model, "llama", "fp32")  # a model trained from scratch
+    assert {k: written["rope_scaling"][k] for k in scaling} == scaling

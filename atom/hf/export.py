@@ -60,6 +60,7 @@ def _fresh_config(mc: ModelConfig, family: str, dtype: str) -> dict[str, Any]:
         "max_position_embeddings": mc.seq_len,
         "rms_norm_eps": mc.norm_eps,
         "rope_theta": mc.rope_theta,
+        **_rope_scaling(mc),
         "tie_word_embeddings": mc.tied,
         "vocab_size": mc.vocab_size,
         "attention_bias": False,
@@ -67,6 +68,20 @@ def _fresh_config(mc: ModelConfig, family: str, dtype: str) -> dict[str, Any]:
         "use_sliding_window": False,
         "torch_dtype": hf_dtype,
     }
+
+
+def _rope_scaling(mc: ModelConfig) -> dict[str, Any]:
+    """config.json's rope_scaling for a model trained with scaled RoPE (none otherwise)."""
+    if mc.rope_type == "default":
+        return {}
+    scaling: dict[str, Any] = {"rope_type": mc.rope_type, "factor": mc.rope_factor}
+    if mc.rope_type == "llama3":
+        scaling.update(
+            low_freq_factor=mc.rope_low_freq_factor,
+            high_freq_factor=mc.rope_high_freq_factor,
+            original_max_position_embeddings=mc.rope_original_max_position,
+        )
+    return {"rope_scaling": scaling}
 
 
 def _export_config(src: HFSource, mc: ModelConfig, dtype: str) -> dict[str, Any]:

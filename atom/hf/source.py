@@ -139,32 +139,45 @@ def _strip_prefix(spec: str) -> str:
     return spec[len(PREFIX) :] if spec.startswith(PREFIX) else spec
 
 
-def _rope(c: dict[str, Any], where: str) -> float:
-    """rope_theta of a plain-RoPE checkpoint; refuse the scaled variants atom lacks."""
+def _rope(c: dict[str, Any], where: str) -> dict[str, Any]:
+    """The model section's RoPE fields: rope_theta, and the frequency scaling if any (plain,
+    "linear", or Llama 3.1's "llama3"); the other scalings are refused in one line."""
     params = c.get("rope_parameters")  # transformers >= 5
     scaling = c.get("rope_scaling")  # transformers 4
-    theta = c.get("rope_theta", 10000.0)
+    out: dict[str, Any] = {"rope_theta": float(c.get("rope_theta", 10000.0))}
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if value is None:
             continue
         if not isinstance(value, dict) or any(isinstance(v, dict) for v in value.values()):
             raise ConfigError(
-                f"{where}: {key}={value!r} is not supported; atom needs one plain RoPE"
+                f"{where}: {key}={value!r} is not supported; atom needs one RoPE for all layers"
             )
-        kind = value.get("rope_type", value.get("type", "default"))
-        if kind not in ("default", None):
+        kind = value.get("rope_type", value.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
             raise ConfigError(
-                f"{where}: {key} type {kind!r} is not supported (atom implements plain RoPE with "
-                f"rope_theta only); use a checkpoint without {key}"
+                f"{where}: {key} type {kind!r} is not supported (atom implements plain, linear "
+                f"and llama3 RoPE); use a checkpoint without {key}"
             )
         if value.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"{where}: {key}.partial_rotary_factor is not supported")
-        theta = value.get("rope_theta", theta)
+        out["rope_theta"] = float(value.get("rope_theta", out["rope_theta"]))
+        if kind == "default":
+            continue
+        try:
+            out.update(rope_type=kind, rope_factor=float(value["factor"]))
+            if kind == "llama3":
+                out.update(
+                    rope_low_freq_factor=float(value["low_freq_factor"]),
+                    rope_high_freq_factor=float(value["high_freq_factor"]),
+                    rope_original_max_position=int(value["original_max_position_embeddings"]),
+                )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: {key} ({kind}) lacks a valid {err}") from None
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(
             f"{where}: partial_rotary_factor={c['partial_rotary_factor']} is not supported"
         )
-    return float(theta)
+    return out
 
 
 def _refuse_if(cond: bool, where: str, key: str, value: Any, why: str) -> None:
@@ -247,7 +260,7 @@ class HFSource:
             f"atom needs hidden_size/num_attention_heads = {d // heads}",
         )
         _refuse_if(d % heads != 0, where, "hidden_size", d, "not divisible by the heads")
-        theta = _rope(c, where)
+        rope = _rope(c, where)
         sliding = c.get("sliding_window")
         if self.family == "mistral" and sliding:
             self.window = int(sliding)
@@ -270,7 +283,7 @@ class HFSource:
             "gelu": "none",
             "qkv_bias": self.family == "qwen2",
             "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
-            "rope_theta": theta,
+            **rope,
             "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
             "init_from": str(self.path),
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,12 +14,41 @@ from atom.model.common import LanguageModel
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def rope_tables(T: int, dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def inv_frequencies(dim: int, theta: float, scaling: tuple = ("default",), device=None):
+    """RoPE's inverse frequencies, with Hugging Face's frequency scalings: `scaling` is
+    ("default",), ("linear", factor) or ("llama3", factor, low, high, original_context)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    kind = scaling[0]
+    if kind == "linear":
+        return inv / scaling[1]
+    if kind == "llama3":  # Llama 3.1: scale the long wavelengths, keep the short, ramp between
+        factor, low, high, context = scaling[1:]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > context / low, inv / factor, inv)
+        smooth = (context / wavelen - low) / (high - low)
+        ramp = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return torch.where(medium, ramp, scaled)
+    return inv
+
+
+def rope_scaling(cfg: ModelConfig) -> tuple:
+    if cfg.rope_type == "linear":
+        return ("linear", cfg.rope_factor)
+    if cfg.rope_type == "llama3":
+        return ("llama3", cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                cfg.rope_original_max_position)  # fmt: skip
+    return ("default",)
+
+
+def rope_tables(
+    T: int, dim: int, theta: float, device, dtype, scaling: tuple = ("default",)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (T, dim/2), cached: computed in fp32 once per shape and device, not
     stored as buffers, so blocks stay parameter-only and swap without extra state."""
-    key = (T, dim, theta, str(device), dtype)
+    key = (T, dim, theta, scaling, str(device), dtype)
     if key not in _ROPE_CACHE:
-        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+        inv = inv_frequencies(dim, theta, scaling, device)
         freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)
         _ROPE_CACHE[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
     return _ROPE_CACHE[key]
@@ -48,6 +79,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
+        self.scaling = rope_scaling(cfg)
         self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hs, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
@@ -58,7 +90,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_head, self.hs).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
-        cos, sin = rope_tables(T, self.hs, self.theta, x.device, x.dtype)
+        cos, sin = rope_tables(T, self.hs, self.theta, x.device, x.dtype, self.scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head
