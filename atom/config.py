@@ -46,6 +46,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # llama only: each token attends to the last `sliding_window` positions (itself
+    # included), as Mistral (and Qwen2 with every layer sliding) do; None: full causal
+    sliding_window: int | None = None
     norm_eps: float = 1e-5
     multiple_of: int = 256  # llama d_ff rounding
     init_std: float = 0.02
@@ -69,6 +72,8 @@ class ModelConfig:
             )
         if self.gelu not in ("none", "tanh"):
             raise ValueError(f"model.gelu must be 'none' or 'tanh', got {self.gelu!r}")
+        if self.sliding_window is not None and (self.sliding_window < 1 or self.arch != "llama"):
+            raise ValueError("model.sliding_window must be >= 1, and applies to arch llama")
         if self.rope_type not in ("default", "linear", "llama3"):
             raise ValueError(
                 f"model.rope_type must be default|linear|llama3, got {self.rope_type!r}"

@@ -63,7 +63,7 @@ def tiny_hf_config(family: str, **extra):
     if family == "llama":
         return transformers.LlamaConfig(rope_theta=5000.0, **llama_like, **extra)
     if family == "mistral":
-        return transformers.MistralConfig(sliding_window=64, **llama_like, **extra)
+        return transformers.MistralConfig(**{"sliding_window": 64, **llama_like, **extra})
     if family == "qwen2":
         return transformers.Qwen2Config(tie_word_embeddings=True, **llama_like, **extra)
     raise ValueError(family)
@@ -351,7 +351,17 @@ def edit_config(path: Path, **changes) -> Path:
             "lacks a valid 'low_freq_factor'",
         ),
         ("llama", {"attention_bias": True}, [], "attention_bias"),
-        ("mistral", {"sliding_window": 16}, ["--set", "model.seq_len=32"], "sliding_window=16"),
+        (  # a window only one of its two layers uses: atom's layers share one attention
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 16,
+                "max_window_layers": 1,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+            ["--set", "model.seq_len=32"],
+            "sliding_window=16, which only some of its layers use",
+        ),
         ("gpt2", {}, ["--set", "model.seq_len=128"], "n_positions=64"),
         ("qwen2", {}, ["--set", "model.n_layer=1"], "model.n_layer=1 does not match"),
         ("llama", {"model_type": "falcon"}, [], "model_type 'falcon' is not supported"),
@@ -506,3 +516,39 @@ def test_scaled_rope_checkpoints_give_transformers_logits(tmp_path, tok_dir, hf_
 
     written = _fresh_config(cfg.model, "llama", "fp32")  # a model trained from scratch
     assert {k: written["rope_scaling"][k] for k in scaling} == scaling
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_checkpoints_give_transformers_logits(tmp_path, tok_dir, hf_data, family):
+    """Mistral (and Qwen2 with every layer sliding) on a sequence twice the window: each
+    token attends to the last 16; logits equal transformers' to fp32 precision, and differ
+    from full causal attention (the window is exercised)."""
+    extra = {"sliding_window": 16}
+    if family == "qwen2":
+        extra.update(use_sliding_window=True, max_window_layers=0)
+    src = save_hf(family, tmp_path / "src", tok_dir, **extra)
+    cfg = load_run_config(None, [*TRAIN, f"train.data={hf_data}"], model=str(src))
+    assert cfg.model.sliding_window == 16 and cfg.model.seq_len == 32
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    windowed = atom_model(cfg, HFSource(src).getter(cfg.model))
+    full = replace(cfg, model={"sliding_window": None})  # same weights, full causal attention
+    params = dict(windowed.named_parameters())
+    with torch.no_grad():
+        ours = windowed(x)[0]
+        theirs = hf_model(src)(x).logits
+        unwindowed = atom_model(full, lambda name: params[name])(x)[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (ours[:, 16:] - unwindowed[:, 16:]).abs().max().item() > 1e-3
+    assert torch.allclose(ours[:, :16], unwindowed[:, :16], atol=1e-5)  # inside the window
+
+
+def test_sliding_window_model_from_scratch_exports_as_mistral(tmp_path):
+    from atom.hf.export import _family_of, _fresh_config
+    from tests.conftest import tiny_config
+
+    mc = tiny_config(model={"arch": "llama", "sliding_window": 8}).model
+    assert _family_of(mc) == "mistral"
+    c = _fresh_config(mc, "mistral", "fp32")
+    assert c["architectures"] == ["MistralForCausalLM"] and c["sliding_window"] == 8
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**c))
+    assert model.config.sliding_window == 8

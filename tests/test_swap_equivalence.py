@@ -462,3 +462,14 @@ def test_stop_abandons_a_step_only_before_its_first_update(clip):
         engine.train_step(batches_for(2, cfg), 1e-3)  # usable either way
     finally:
         engine.close()
+
+
+def test_sliding_window_attention_trains_swapped_as_resident():
+    """A llama with an 8-token window on 32-token sequences: swapped (with recompute)
+    equals plain PyTorch, so the band mask survives units, checkpoints and recompute."""
+    cfg = tiny_config(model={"arch": "llama", "sliding_window": 8}, swap={"checkpoint": True})
+    swapped, resident, losses, params = train_both(cfg)
+    for a, b in losses:
+        assert abs(a - b) <= 1e-5 * abs(b)
+    for name, p in resident.named_parameters().items():
+        assert rel_err(params[name], p) < 1e-5, name

@@ -47,8 +47,16 @@ def _fresh_config(mc: ModelConfig, family: str, dtype: str) -> dict[str, Any]:
             "scale_attn_weights": True,
             "torch_dtype": hf_dtype,
         }
+    arch = {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        family, "LlamaForCausalLM"
+    )
+    window = (
+        {"sliding_window": mc.sliding_window, "use_sliding_window": True, "max_window_layers": 0}
+        if mc.sliding_window
+        else {"use_sliding_window": False}
+    )
     return {
-        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [arch],
         "model_type": family,
         "hidden_size": mc.d_model,
         "intermediate_size": mc.ffn_dim,
@@ -65,7 +73,7 @@ def _fresh_config(mc: ModelConfig, family: str, dtype: str) -> dict[str, Any]:
         "vocab_size": mc.vocab_size,
         "attention_bias": False,
         "mlp_bias": False,
-        "use_sliding_window": False,
+        **window,
         "torch_dtype": hf_dtype,
     }
 
@@ -108,7 +116,9 @@ def _export_config(src: HFSource, mc: ModelConfig, dtype: str) -> dict[str, Any]
 def _family_of(mc: ModelConfig) -> str:
     if mc.arch == "gpt":
         return "gpt2"
-    return "qwen2" if mc.qkv_bias else "llama"
+    if mc.qkv_bias:
+        return "qwen2"
+    return "mistral" if mc.sliding_window else "llama"  # LlamaConfig has no sliding window
 
 
 @dataclass

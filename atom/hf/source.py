@@ -262,12 +262,20 @@ class HFSource:
         _refuse_if(d % heads != 0, where, "hidden_size", d, "not divisible by the heads")
         rope = _rope(c, where)
         sliding = c.get("sliding_window")
+        every_layer = False  # atom's blocks share one attention: all slide, or none
         if self.family == "mistral" and sliding:
-            self.window = int(sliding)
+            self.window, every_layer = int(sliding), True
         if self.family == "qwen2" and sliding:
-            types = c.get("layer_types") or []
-            if c.get("use_sliding_window") or "sliding_attention" in types:
+            n = int(c["num_hidden_layers"])
+            types = c.get("layer_types") or [
+                "sliding_attention"
+                if c.get("use_sliding_window") and i >= int(c.get("max_window_layers", n))
+                else "full_attention"
+                for i in range(n)
+            ]
+            if "sliding_attention" in types:
                 self.window = int(sliding)
+                every_layer = all(t == "sliding_attention" for t in types)
         max_pos = int(c.get("max_position_embeddings", DEFAULT_MAX_SEQ))
         self.n_positions = max_pos
         return {
@@ -278,7 +286,11 @@ class HFSource:
             "d_model": d,
             "d_ff": int(c["intermediate_size"]),
             "vocab_size": int(c["vocab_size"]),
-            "seq_len": min(max_pos, self.window or max_pos, DEFAULT_MAX_SEQ),
+            # a window only some layers use bounds the context; one they all use does not
+            "seq_len": min(
+                max_pos, DEFAULT_MAX_SEQ, max_pos if every_layer else self.window or max_pos
+            ),
+            "sliding_window": self.window if every_layer else None,
             "bias": False,
             "gelu": "none",
             "qkv_bias": self.family == "qwen2",
@@ -319,11 +331,11 @@ class HFSource:
                 f"{self.n_positions} (learned positions); use --set model.seq_len="
                 f"{self.n_positions} or less"
             )
-        if self.window is not None and mc.seq_len > self.window:
+        if self.window is not None and mc.sliding_window is None and mc.seq_len > self.window:
             raise ConfigError(
                 f"model.seq_len={mc.seq_len} exceeds the checkpoint's sliding_window="
-                f"{self.window}; atom has no sliding-window attention, so use --set "
-                f"model.seq_len={self.window} or less"
+                f"{self.window}, which only some of its layers use (atom's layers share one "
+                f"attention); use --set model.seq_len={self.window} or less"
             )
         if mc.arch == "llama" and mc.seq_len > self.n_positions:
             log.warning(

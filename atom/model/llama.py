@@ -54,6 +54,19 @@ def rope_tables(
     return _ROPE_CACHE[key]
 
 
+_WINDOW_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def window_mask(T: int, window: int, device) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j: j <= i and j > i - window (the
+    Hugging Face sliding-window rule). Cached per shape and device."""
+    key = (T, window, str(device))
+    if key not in _WINDOW_CACHE:
+        i = torch.arange(T, device=device)
+        _WINDOW_CACHE[key] = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return _WINDOW_CACHE[key]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, nh, T, hs); rotate the pairs (x[i], x[i + hs/2]) ("rotate half", the layout
     # Hugging Face LLaMA/Mistral/Qwen2 checkpoints use, so they load without permuting).
@@ -80,6 +93,7 @@ class Attention(nn.Module):
         self.n_head, self.n_kv, self.hs = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.theta = cfg.rope_theta
         self.scaling = rope_scaling(cfg)
+        self.window = cfg.sliding_window
         self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hs, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
@@ -92,9 +106,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
         cos, sin = rope_tables(T, self.hs, self.theta, x.device, x.dtype, self.scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_head
-        )
+        gqa = self.n_kv != self.n_head
+        if self.window is not None and self.window < T:  # the window cuts in: a band mask
+            mask = window_mask(T, self.window, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
