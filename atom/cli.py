@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         "from scratch)",
     )
     ex.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    pl = sub.add_parser("plot", help="loss curves of one or more runs as a PNG")
+    pl.add_argument("runs", nargs="+", help="run directories (overlaid, one colour each)")
+    pl.add_argument("--x", default="step", choices=["step", "tokens", "time"], help="x axis")
+    pl.add_argument("--out", help="PNG path (default: loss.png in the first run directory)")
     gossip_commands.add_commands(sub)  # keygen, peers
     simulate_command.add_command(sub)  # atom vs pipeline vs data parallel
     return parser
@@ -388,6 +392,14 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from atom.plot import plot_runs
+
+    path = plot_runs([Path(r) for r in args.runs], Path(args.out) if args.out else None, args.x)
+    print(f"atom: wrote {path}")
+    return 0
+
+
 def cmd_generate(args) -> int:
     from atom.generate import generate
 
@@ -414,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": cmd_generate,
         "profile": cmd_profile,
         "export": cmd_export,
+        "plot": cmd_plot,
         **gossip_commands.HANDLERS,
         **simulate_command.HANDLERS,
     }

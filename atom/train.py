@@ -10,6 +10,7 @@ import base64
 import binascii
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -386,6 +387,16 @@ class Trainer:
                 summary.history.append(record)
                 summary.steps, summary.last_loss = done, result.loss
                 bar.update(1)
+                if "val_loss" in record:  # said as measured, whatever the log cadence
+                    val = record["val_loss"]
+                    line = (
+                        f"step {done}: val loss {val:.4f} (perplexity "
+                        f"{math.exp(min(val, 50)):.2f}), train loss {result.loss:.4f}"
+                    )
+                    if self.progress:
+                        bar.write(f"atom: {line}", file=sys.stderr)
+                    else:
+                        log.info(line)
                 if not self.progress and (done % tc.log_interval == 0 or done == end):
                     log.info(
                         "step %d/%d loss %.4f%s lr %.2e %.0f tokens/s device %s",

@@ -385,3 +385,23 @@ def test_resume_names_each_max_steps_change_once():
     assert said(max_steps=100) == ["train.max_steps: 300 -> 100"]
     assert said("train.lr_decay_steps=1000") == ["train.lr_decay_steps: None -> 1000"]
     assert said() == []
+
+
+def test_plot_writes_a_png_of_several_runs(run_dir, tmp_path, text_dataset, capsys):
+    """`atom plot` overlays runs (train curve and val points) on steps, tokens or time."""
+    pytest.importorskip("matplotlib")
+    other = tmp_path / "other"
+    assert run_cli(capsys, "train", "--set", "model.n_layer=2", "--set", "model.seq_len=32",
+                   "--set", f"train.data={text_dataset}", "--set", "train.eval_interval=1",
+                   "--max-steps", "3", "--out", str(other), "--no-progress")[0] == 0  # fmt: skip
+    for x in ("step", "tokens", "time"):
+        png = tmp_path / f"curves-{x}.png"
+        code, out, _ = run_cli(capsys, "plot", str(run_dir), str(other), "--x", x,
+                               "--out", str(png))  # fmt: skip
+        assert code == 0 and str(png) in out
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert run_cli(capsys, "plot", str(run_dir))[0] == 0
+    assert (run_dir / "loss.png").is_file()  # the default: beside the first run
+    code, _, err = run_cli(capsys, "plot", str(tmp_path / "nothing"))
+    assert code == 2 and "holds no metrics.jsonl" in err

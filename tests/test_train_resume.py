@@ -242,3 +242,16 @@ def test_a_step_of_minutes_is_said_before_it_starts(tmp_path, text_dataset, monk
     assert (
         "each step will take about" in caplog.text and "Ctrl+C stops within seconds" in caplog.text
     )
+
+
+def test_validation_loss_is_said_as_it_is_measured(tmp_path, text_dataset, caplog):
+    import logging
+
+    cfg = tiny_config(
+        train={"max_steps": 6, "eval_interval": 3, "log_interval": 5, "data": str(text_dataset)}
+    )
+    with caplog.at_level(logging.INFO, logger="atom.train"):
+        Trainer(cfg, tmp_path / "run", progress=False).run()
+    said = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
+    assert [m.split(":")[0] for m in said] == ["step 3", "step 6"]
+    assert "perplexity" in said[0] and "train loss" in said[0]
