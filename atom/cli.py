@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         "from scratch)",
     )
     ex.add_argument("--max-shard-size", default="5GB", help="largest shard (default 5GB)")
+    ev = sub.add_parser("eval", help="loss and perplexity of a run on held-out text")
+    ev.add_argument("run", help="run directory or checkpoint directory")
+    ev.add_argument(
+        "--data", required=True, help="a text file, or a dataset directory (its val split)"
+    )
+    ev.add_argument("--batch", type=int, help="windows per batch (default: the run's micro-batch)")
     pl = sub.add_parser("plot", help="loss curves of one or more runs as a PNG")
     pl.add_argument("runs", nargs="+", help="run directories (overlaid, one colour each)")
     pl.add_argument("--x", default="step", choices=["step", "tokens", "time"], help="x axis")
@@ -392,6 +398,19 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from atom.evaluate import evaluate_run
+
+    if args.batch is not None and args.batch < 1:
+        raise ConfigError(f"--batch must be >= 1, got {args.batch}")
+    r = evaluate_run(Path(args.run), Path(args.data), args.batch)
+    print(
+        f"atom: {args.run} on {r.source}: {r.tokens:,} tokens in {r.windows:,} windows; "
+        f"loss {r.loss:.4f}, perplexity {r.perplexity:.2f}"
+    )
+    return 0
+
+
 def cmd_plot(args) -> int:
     from atom.plot import plot_runs
 
@@ -427,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": cmd_profile,
         "export": cmd_export,
         "plot": cmd_plot,
+        "eval": cmd_eval,
         **gossip_commands.HANDLERS,
         **simulate_command.HANDLERS,
     }

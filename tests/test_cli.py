@@ -405,3 +405,38 @@ def test_plot_writes_a_png_of_several_runs(run_dir, tmp_path, text_dataset, caps
     assert (run_dir / "loss.png").is_file()  # the default: beside the first run
     code, _, err = run_cli(capsys, "plot", str(tmp_path / "nothing"))
     assert code == 2 and "holds no metrics.jsonl" in err
+
+
+def test_eval_scores_every_token_of_a_file_as_plain_pytorch_does(run_dir, tmp_path, capsys):
+    """`atom eval RUN --data FILE`: the run's tokenizer, consecutive windows of seq_len+1,
+    the swapped engine; loss equals the model evaluated directly in plain PyTorch on the
+    same windows, perplexity is exp(loss)."""
+    import math
+
+    import torch
+
+    from atom.checkpoint import load_checkpoint
+    from atom.config import Config
+    from atom.evaluate import evaluate_run
+    from atom.model import build_model, materialize
+
+    text = tmp_path / "held_out.txt"
+    text.write_text("the units stream through the device and the loss falls\n" * 30)
+    r = evaluate_run(run_dir, text, batch=3)  # 3 does not divide the windows: a short batch
+    ckpt = load_checkpoint(run_dir)
+    cfg = Config.from_dict(ckpt.meta["config"])
+    model = materialize(build_model(cfg.model), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(ckpt.get(name))
+        ids = torch.tensor(list(text.read_bytes()))
+        T, n = cfg.model.seq_len, (len(ids) - 1) // cfg.model.seq_len
+        x, y = ids[: n * T].view(n, T), ids[1 : n * T + 1].view(n, T)
+        _, want = model(x, y)
+    assert r.windows == n and r.tokens == n * T
+    assert math.isclose(r.loss, float(want), rel_tol=1e-5)
+    assert math.isclose(r.perplexity, math.exp(r.loss), rel_tol=1e-9)
+    code, out, _ = run_cli(capsys, "eval", str(run_dir), "--data", str(text))
+    assert code == 0 and "perplexity" in out and f"{r.loss:.4f}" in out
+    code, _, err = run_cli(capsys, "eval", str(run_dir), "--data", str(tmp_path / "none"))
+    assert code == 2 and "does not exist" in err

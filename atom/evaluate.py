@@ -1,0 +1,92 @@
+"""`atom eval`: loss and perplexity of a trained run on held-out text.
+
+The run's newest checkpoint is loaded into the engine it trained with (swapped, so a model
+larger than the device evaluates too); the text is a file (tokenized with the run's own
+tokenizer) or a dataset directory made by `atom prepare` (its val split, held out by
+construction). Every token is scored once: the text is cut into consecutive windows of
+seq_len + 1, evaluated a group of batches at a time (unit-major: each unit loaded once per
+group).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from atom.checkpoint import load_checkpoint
+from atom.config import Config
+from atom.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    perplexity: float
+    tokens: int  # tokens scored
+    windows: int
+    source: str
+
+
+def _tokens(data: Path, tokenizer: str) -> tuple[np.ndarray, str]:
+    from atom.data import META_NAME, TRAIN_NAME, VAL_NAME, DatasetMeta, prepare
+
+    if data.is_dir():
+        if not (data / META_NAME).is_file():
+            raise DataError(f"{data} is not a dataset made by atom prepare (no meta.json)")
+        meta = DatasetMeta.from_json((data / META_NAME).read_text())
+        if meta.tokenizer != tokenizer:
+            raise DataError(
+                f"{data} was tokenized with {meta.tokenizer}, the run with {tokenizer}; "
+                "prepare the text with the run's tokenizer, or give a text file"
+            )
+        val = np.memmap(data / VAL_NAME, dtype=np.dtype(meta.dtype), mode="r")
+        return np.asarray(val, dtype=np.int64), f"the val split of {data}"
+    if not data.is_file():
+        raise DataError(f"{data} does not exist; give a text file or a prepared dataset directory")
+    with tempfile.TemporaryDirectory() as tmp:  # every token of the file, in its order
+        meta = prepare([data], Path(tmp), tokenizer=tokenizer, val_fraction=0.5, progress=False)
+        parts = [
+            np.fromfile(Path(tmp) / n, dtype=np.dtype(meta.dtype)) for n in (TRAIN_NAME, VAL_NAME)
+        ]
+    return np.concatenate(parts).astype(np.int64), str(data)
+
+
+def evaluate_run(run: Path, data: Path, batch: int | None = None) -> EvalResult:
+    from atom.train import build_engine
+
+    ckpt = load_checkpoint(run)
+    cfg = Config.from_dict(ckpt.meta["config"])
+    tokenizer = ckpt.meta.get("data", {}).get("tokenizer", "byte")
+    tokens, source = _tokens(Path(data), tokenizer)
+    T = cfg.model.seq_len
+    n = (len(tokens) - 1) // T
+    if n < 1:
+        raise DataError(f"{source} has {len(tokens)} tokens, fewer than seq_len+1={T + 1}")
+    if int(tokens.max()) >= cfg.model.vocab_size:
+        raise DataError(f"{source} holds token ids outside the model's vocabulary")
+    windows = torch.from_numpy(tokens[: n * T + 1])
+    xs = windows[:-1].view(n, T)
+    ys = windows[1:].view(n, T)
+    size = batch or cfg.train.micro_batch
+    batches = [(xs[i : i + size], ys[i : i + size]) for i in range(0, n, size)]
+    engine = build_engine(cfg)
+    try:
+        engine.load_state(ckpt.get, False, 0)
+        per_group = max(1, cfg.train.eval_batches)
+        total = 0.0
+        full = [b for b in batches if len(b[0]) == size]
+        groups = [full[i : i + per_group] for i in range(0, len(full), per_group)]
+        groups += [[b] for b in batches if len(b[0]) != size]  # a short last batch alone
+        for group in groups:
+            total += engine.evaluate(group) * sum(len(b[0]) for b in group)
+    finally:
+        engine.close()
+    loss = total / n
+    return EvalResult(loss, float(np.exp(min(loss, 50.0))), n * T, n, source)
