@@ -20,6 +20,7 @@ from atom.errors import ConfigError  # noqa: F401  (re-exported: callers import 
 from atom.gossip.settings import GossipConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")  # train.logger (atom/loggers.py)
 
 
 @dataclass
@@ -134,6 +135,8 @@ class TrainConfig:
     ckpt_interval: int = 100
     keep_checkpoints: int = 3
     data: str = "default"  # "default" (stdlib corpus, no download) or a dir made by `atom prepare`
+    # metrics besides metrics.jsonl: comma-separated csv, tensorboard, wandb (atom/loggers.py)
+    logger: str = "jsonl"
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "grad_accum", "max_steps", "eval_batches", "log_interval"):
@@ -155,6 +158,12 @@ class TrainConfig:
             raise ValueError(f"train.dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
         if self.optimizer not in ("adamw", "deepspeed"):
             raise ValueError(f"train.optimizer must be adamw|deepspeed, got {self.optimizer!r}")
+        unknown = [n for n in self.logger.split(",") if n.strip() not in LOGGERS]
+        if unknown:
+            raise ValueError(
+                f"train.logger: unknown {unknown[0].strip()!r}; a comma-separated choice of "
+                f"{', '.join(LOGGERS)}"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
 

@@ -169,6 +169,9 @@ class Trainer:
         self.metrics_path = self.out / "metrics.jsonl"
         self._trim_metrics(self.start_step)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        from atom.loggers import make_loggers
+
+        self.loggers = make_loggers(cfg.train.logger, self.out, self.start_step, cfg.to_dict())
 
     # ------------------------------------------------------------ checkpoints
     def _open_resume(self, path: Path):
@@ -318,13 +321,13 @@ class Trainer:
                             self.interrupt_checkpoint = self.save(summary.steps)
                         summary.checkpoint = self.interrupt_checkpoint
                 finally:  # however it ends (another Ctrl+C too): the disk tier is removed
-                    self.engine.close()
+                    self._close()
                 raise
             except BaseException:
                 try:
                     self._stop_gossip()
                 finally:
-                    self.engine.close()
+                    self._close()
                 raise
             bar.close()
             self._stop_gossip()
@@ -337,8 +340,15 @@ class Trainer:
         times = sorted(r["step_time_s"] for r in summary.history[1:] or summary.history)
         summary.step_time_s = times[len(times) // 2] if times else None
         summary.device_peak_bytes = self.engine.device_peak_bytes()
-        self.engine.close()
+        self._close()
         return summary
+
+    def _close(self) -> None:
+        try:
+            for logger in self.loggers:
+                logger.close()
+        finally:
+            self.engine.close()
 
     def _loop(self, summary: RunSummary, end: int, bar, interrupts: _Interrupts, rates) -> None:
         """Steps start_step..end, with metrics, evaluation and checkpoints."""
@@ -384,6 +394,8 @@ class Trainer:
                     t_prev = time.perf_counter()  # eval time is not step time
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                for logger in self.loggers:
+                    logger.log(record)
                 summary.history.append(record)
                 summary.steps, summary.last_loss = done, result.loss
                 bar.update(1)
