@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--no-cache", action="store_true", help="re-run the whole context for every token"
+    )
 
     ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     ex.add_argument("run", help="run directory or checkpoint directory")
@@ -427,8 +430,16 @@ def cmd_generate(args) -> int:
     if args.temperature < 0 or args.top_k < 0:
         raise ConfigError("--temperature and --top-k must be >= 0 (0: greedy / no top-k cut)")
 
+    out = generate(
+        Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+        use_cache=not args.no_cache,
+    )  # fmt: skip
+    print(out.text)
     print(
-        generate(Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+        f"atom: {out.tokens} tokens in {out.seconds:.2f} s ({out.tokens_per_s:,.0f} tokens/s, "
+        f"KV cache {'off' if args.no_cache else 'on'})"
+        + ("; stopped at the end-of-text token" if out.stopped_at_eos else ""),
+        file=sys.stderr,
     )
     return 0
 

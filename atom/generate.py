@@ -1,7 +1,16 @@
-"""`atom generate`: sample from a checkpoint with the model held resident (small models)."""
+"""`atom generate`: sample from a checkpoint with the model held resident (small models).
+
+With the KV cache (the default) the prompt is run once and each new token costs one
+token's forward; without it every token re-runs the whole context. Past the model's
+context (seq_len) both see the last seq_len tokens, so the two give the same text (the
+cache then restarts from the last seq_len tokens each step). Generation stops at the
+tokenizer's end-of-text token when it has one.
+"""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,21 +18,53 @@ import torch
 from atom.checkpoint import CheckpointError, load_checkpoint
 from atom.config import Config
 from atom.model import build_model, materialize
+from atom.model.kv_cache import KVCache
+
+
+@dataclass
+class Generated:
+    text: str
+    tokens: int  # generated (the end-of-text token, when reached, not counted)
+    seconds: float
+    stopped_at_eos: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
 
 
 def _codec(spec: str):
+    """(encode, decode, end-of-text id or None) of a run's tokenizer."""
     if spec.startswith("tokenizers:"):
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(spec.split(":", 1)[1])
-        return (lambda s: tok.encode(s).ids), (lambda ids: tok.decode(ids))
-    return (lambda s: list(s.encode())), (lambda ids: bytes(ids).decode(errors="replace"))
+        from atom.text import eos_token_id
+
+        path = Path(spec.split(":", 1)[1])
+        tok = Tokenizer.from_file(str(path))
+        return (lambda s: tok.encode(s).ids), (lambda ids: tok.decode(ids)), eos_token_id(path, tok)
+    return (lambda s: list(s.encode())), (lambda ids: bytes(ids).decode(errors="replace")), None
+
+
+def _next_logits(model, idx: torch.Tensor, T: int, cache: KVCache | None) -> torch.Tensor:
+    if cache is None:
+        return model(idx[:, -T:])[0][:, -1, :]
+    if cache.pos == 0 or idx.size(1) > T:  # the prompt, or past the context: from the last T
+        cache.reset()
+        return model(idx[:, -T:], cache=cache)[0][:, -1, :]
+    return model(idx[:, -1:], cache=cache)[0][:, -1, :]
 
 
 @torch.no_grad()
 def generate(
-    run: Path, prompt: str, n_tokens: int, temperature: float = 0.8, top_k: int = 50, seed: int = 0
-) -> str:
+    run: Path,
+    prompt: str,
+    n_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 50,
+    seed: int = 0,
+    use_cache: bool = True,
+) -> Generated:
     ckpt = load_checkpoint(run)
     cfg = Config.from_dict(ckpt.meta["config"])
     model = materialize(build_model(cfg.model), seed=0)
@@ -33,15 +74,20 @@ def generate(
         raise CheckpointError(f"checkpoint {ckpt.path} lacks {missing[0]}; it is not a model")
     for name, p in params.items():
         p.copy_(ckpt.get(name))
-    encode, decode = _codec(ckpt.meta.get("data", {}).get("tokenizer", "byte"))
+    encode, decode, eos = _codec(ckpt.meta.get("data", {}).get("tokenizer", "byte"))
     gen = torch.Generator().manual_seed(seed)
     idx = torch.tensor([encode(prompt) or [0]], dtype=torch.long)
+    cache = KVCache(cfg.model.n_layer) if use_cache else None
+    started, made, stopped = time.perf_counter(), 0, False
     for _ in range(n_tokens):
-        logits, _ = model(idx[:, -cfg.model.seq_len :])
-        logits = logits[:, -1, :] / max(temperature, 1e-5)
+        logits = _next_logits(model, idx, cfg.model.seq_len, cache) / max(temperature, 1e-5)
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        if eos is not None and int(nxt) == eos:
+            stopped = True
+            break
         idx = torch.cat([idx, nxt], dim=1)
-    return decode(idx[0].tolist())
+        made += 1
+    return Generated(decode(idx[0].tolist()), made, time.perf_counter() - started, stopped)

@@ -29,10 +29,19 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.head = head
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        h = self.embed(idx)  # (B, T, C)
-        for block in self.blocks:
-            h = block(h)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None):
+        """`cache` (atom.model.kv_cache.KVCache): generation, idx continues the cached
+        tokens; the cache takes the new keys/values and advances."""
+        if cache is None:
+            h = self.embed(idx)  # (B, T, C)
+            for block in self.blocks:
+                h = block(h)
+        else:
+            start = cache.pos
+            h = self.embed(idx, start)
+            for block, kv in zip(self.blocks, cache.layers, strict=True):
+                h = block(h, kv, start)
+            cache.pos += idx.size(1)
         logits = self.head(h)  # (B, T, V)
         if targets is None:
             return logits, None

@@ -8,6 +8,7 @@ from torch import nn
 
 from atom.config import ModelConfig
 from atom.model.common import LanguageModel
+from atom.model.kv_cache import LayerCache, attention_mask
 
 
 class GPTEmbed(nn.Module):
@@ -16,8 +17,8 @@ class GPTEmbed(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
+    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        pos = torch.arange(start, start + idx.size(1), device=idx.device)
         return self.wte(idx) + self.wpe(pos)  # (B, T, C)
 
 
@@ -28,12 +29,18 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv is not None:  # generation: attend to the cached keys too
+            k, v = kv.append(k, v)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask(start, T, None, x.device)
+            )
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -56,8 +63,8 @@ class GPTBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
+        x = x + self.attn(self.ln_1(x), kv, start)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from atom.config import ModelConfig
 from atom.model.common import LanguageModel
+from atom.model.kv_cache import LayerCache, attention_mask
 
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -99,15 +100,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.hs, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
         B, T, C = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.hs).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
-        cos, sin = rope_tables(T, self.hs, self.theta, x.device, x.dtype, self.scaling)
+        cos, sin = rope_tables(start + T, self.hs, self.theta, x.device, x.dtype, self.scaling)
+        cos, sin = cos[start:], sin[start:]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv != self.n_head
-        if self.window is not None and self.window < T:  # the window cuts in: a band mask
+        if kv is not None:  # generation: attend to every cached key the rules allow
+            k, v = kv.append(k, v)
+            mask = attention_mask(start, T, self.window, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif self.window is not None and self.window < T:  # the window cuts in: a band mask
             mask = window_mask(T, self.window, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
@@ -134,8 +140,8 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
+        x = x + self.attention(self.attention_norm(x), kv, start)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -144,8 +150,8 @@ class LlamaEmbed(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.wte(idx)
+    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return self.wte(idx)  # positions enter through RoPE in attention
 
 
 class LlamaHead(nn.Module):

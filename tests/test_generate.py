@@ -1,0 +1,74 @@
+"""`atom generate` with and without the KV cache: the same text, every architecture.
+
+pytest tests/test_generate.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.checkpoint import save_checkpoint
+from atom.generate import generate
+from atom.model import build_model, materialize
+from atom.model.kv_cache import KVCache
+from tests.conftest import tiny_config
+
+
+@pytest.mark.parametrize(
+    "model",
+    [{}, {"arch": "llama"}, {"arch": "llama", "sliding_window": 8},
+     {"arch": "llama", "rope_type": "llama3", "rope_factor": 4.0,
+      "rope_original_max_position": 8}],
+    ids=["gpt", "llama", "llama-window", "llama3-rope"],
+)  # fmt: skip
+def test_cached_logits_equal_a_full_forward(model):
+    """Prompt then one token at a time through the cache: each step's logits are those of
+    running the whole sequence so far."""
+    cfg = tiny_config(model={**model, "seq_len": 32})
+    net = materialize(build_model(cfg.model), seed=3).eval()
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(cfg.model.n_layer)
+    with torch.no_grad():
+        got = [net(ids[:, :10], cache=cache)[0]]
+        for t in range(10, 24):
+            got.append(net(ids[:, t : t + 1], cache=cache)[0])
+        want = net(ids)[0]
+    assert cache.pos == 24
+    assert torch.allclose(torch.cat(got, dim=1), want, atol=1e-5)
+
+
+def _run_dir(tmp_path, model) -> str:
+    cfg = tiny_config(model={**model, "seq_len": 16})
+    net = materialize(build_model(cfg.model), seed=1)
+    meta = {"config": cfg.to_dict(), "data": {"tokenizer": "byte"}}
+    save_checkpoint(tmp_path, 1, [("unit_000", dict(net.named_parameters()))], meta)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "model", [{}, {"arch": "llama", "sliding_window": 6}], ids=["gpt", "llama"]
+)
+def test_generate_with_and_without_the_cache_is_the_same_text(tmp_path, model):
+    """40 tokens from a 16-token model: within the context and past it (where both see the
+    last 16 tokens), sampled with the same seed."""
+    run = _run_dir(tmp_path, model)
+    on = generate(run, "the ", 40, temperature=0.8, top_k=20, seed=5, use_cache=True)
+    off = generate(run, "the ", 40, temperature=0.8, top_k=20, seed=5, use_cache=False)
+    assert on.text == off.text and on.tokens == off.tokens == 40
+
+
+def test_generation_stops_at_the_end_of_text_token(tmp_path, monkeypatch):
+    import atom.generate as gen
+
+    run = _run_dir(tmp_path, {})
+    first = gen.generate(run, "a", 1, temperature=0.0, top_k=1).text[-1:]  # greedy's pick
+    real = gen._codec
+
+    def with_eos(spec):
+        encode, decode, _ = real(spec)
+        return encode, decode, ord(first)
+
+    monkeypatch.setattr(gen, "_codec", with_eos)
+    out = gen.generate(run, "a", 30, temperature=0.0, top_k=1)
+    assert out.stopped_at_eos and out.tokens == 0 and out.text == "a"
