@@ -158,7 +158,7 @@ class TrainConfig:
             raise ValueError(f"train.dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
         if self.optimizer not in ("adamw", "deepspeed"):
             raise ValueError(f"train.optimizer must be adamw|deepspeed, got {self.optimizer!r}")
-        unknown = [n for n in self.logger.split(",") if n.strip() not in LOGGERS]
+        unknown = [n for n in self.logger.split(",") if n.strip() and n.strip() not in LOGGERS]
         if unknown:
             raise ValueError(
                 f"train.logger: unknown {unknown[0].strip()!r}; a comma-separated choice of "

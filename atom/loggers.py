@@ -42,13 +42,20 @@ def _scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def _step(row: dict) -> float:
+    try:
+        return int(row["step"])
+    except (KeyError, TypeError, ValueError):  # a row cut by a kill: dropped
+        return float("inf")
+
+
 class CsvLogger:
     def __init__(self, run: Path, start_step: int):
         self.path = run / "metrics.csv"
         rows = []
         if self.path.exists():  # a resumed run: keep the rows the checkpoint includes
             with self.path.open(newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
+                rows = [r for r in csv.DictReader(f) if _step(r) <= start_step]
         self.file = self.path.open("w", newline="")
         self.writer = csv.DictWriter(self.file, CSV_FIELDS, extrasaction="ignore")
         self.writer.writeheader()
@@ -64,14 +71,11 @@ class CsvLogger:
 
 
 class TensorBoardLogger:
-    def __init__(self, run: Path):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError(
-                "train.logger=tensorboard needs tensorboard: pip install 'atom[tensorboard]'"
-            ) from None
-        self.writer = SummaryWriter(str(run / "tensorboard"))
+    def __init__(self, run: Path, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a resumed run: events past the checkpoint (to be redone) are dropped
+        self.writer = SummaryWriter(str(run / "tensorboard"), purge_step=start_step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         for key, value in _scalars(record).items():
@@ -83,17 +87,11 @@ class TensorBoardLogger:
 
 class WandbLogger:
     def __init__(self, run: Path, config: dict):
-        try:
-            import wandb
-        except ImportError:
-            raise ConfigError(
-                "train.logger=wandb needs wandb: pip install 'atom[wandb]' (it logs offline "
-                "without an account unless WANDB_MODE says otherwise)"
-            ) from None
-        self.wandb = wandb
+        import wandb
+
         self.run = wandb.init(
             project="atom", name=run.name, dir=str(run), config=config,
-            mode=os.environ.get("WANDB_MODE", "offline"), resume="allow",
+            mode=os.environ.get("WANDB_MODE", "offline"),
         )  # fmt: skip
 
     def log(self, record: dict[str, Any]) -> None:
@@ -103,14 +101,37 @@ class WandbLogger:
         self.run.finish()
 
 
+_NEEDS = {
+    "tensorboard": ("torch.utils.tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+}
+
+
+def check_available(spec: str) -> None:
+    """Refuse, before anything slow starts, a logger whose package is not installed."""
+    import importlib
+
+    for name in parse(spec):
+        if name in _NEEDS:
+            module, extra = _NEEDS[name]
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise ConfigError(
+                    f"train.logger={name} needs {extra}: pip install 'atom[{extra}]'"
+                    + (" (it logs offline, no account needed)" if name == "wandb" else "")
+                ) from None
+
+
 def make_loggers(spec: str, run: Path, start_step: int, config: dict) -> list:
+    check_available(spec)
     made: list = []
     try:
         for name in parse(spec):
             if name == "csv":
                 made.append(CsvLogger(run, start_step))
             elif name == "tensorboard":
-                made.append(TensorBoardLogger(run))
+                made.append(TensorBoardLogger(run, start_step))
             elif name == "wandb":
                 made.append(WandbLogger(run, config))
     except BaseException:

@@ -144,6 +144,9 @@ class Trainer:
         self.out = Path(out_dir)
         self.progress = progress
         self.resident = resident
+        from atom.loggers import check_available
+
+        check_available(cfg.train.logger)  # before the slow part: engine, weights, peers
         data_dir = data_dir_for(cfg)
         self.data = TokenData(data_dir, cfg.model.seq_len, cfg.train.seed)
         check_vocab(self.data.meta, cfg.model.vocab_size, data_dir)
@@ -411,11 +414,10 @@ class Trainer:
                         log.info(line)
                 if not self.progress and (done % tc.log_interval == 0 or done == end):
                     log.info(
-                        "step %d/%d loss %.4f%s lr %.2e %.0f tokens/s device %s",
+                        "step %d/%d loss %.4f lr %.2e %.0f tokens/s device %s",
                         done,
                         end,
                         result.loss,
-                        f" val {record['val_loss']:.4f}" if "val_loss" in record else "",
                         lr,
                         rate,
                         _human(record["device_peak_bytes"]),

@@ -72,3 +72,13 @@ def test_generation_stops_at_the_end_of_text_token(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "_codec", with_eos)
     out = gen.generate(run, "a", 30, temperature=0.0, top_k=1)
     assert out.stopped_at_eos and out.tokens == 0 and out.text == "a"
+
+
+def test_generating_does_not_grow_the_rope_table_cache(tmp_path):
+    from atom.model import llama
+
+    run = _run_dir(tmp_path, {"arch": "llama"})
+    generate(run, "the ", 5, seed=0)
+    before = len(llama._ROPE_CACHE)
+    generate(run, "the ", 60, seed=1)  # within and past the 16-token context
+    assert len(llama._ROPE_CACHE) <= before + 1

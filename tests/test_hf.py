@@ -348,7 +348,7 @@ def edit_config(path: Path, **changes) -> Path:
             "llama",
             {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
             [],
-            "lacks a valid 'low_freq_factor'",
+            "lacks 'low_freq_factor'",
         ),
         ("llama", {"attention_bias": True}, [], "attention_bias"),
         (  # a window only one of its two layers uses: atom's layers share one attention
@@ -552,3 +552,32 @@ def test_sliding_window_model_from_scratch_exports_as_mistral(tmp_path):
     assert c["architectures"] == ["MistralForCausalLM"] and c["sliding_window"] == 8
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**c))
     assert model.config.sliding_window == 8
+
+
+def test_rope_scaling_set_on_a_checkpoint_is_exported(tmp_path, tok_dir, hf_data, capsys):
+    """Context extension: a plain-RoPE Llama fine-tuned with --set model.rope_type=linear
+    exports a config.json with that scaling (transformers then computes atom's logits);
+    a changed sliding window is refused (the layers were trained with theirs)."""
+    from atom.hf.export import _export_config
+
+    src = save_hf("llama", tmp_path / "src", tok_dir)
+    sets = [*TRAIN, f"train.data={hf_data}", "model.rope_type=linear", "model.rope_factor=2.0"]
+    cfg = load_run_config(None, sets, model=str(src))
+    written = _export_config(HFSource(src), cfg.model, "fp32")
+    scaling = written.get("rope_parameters") or written.get("rope_scaling")
+    assert scaling["rope_type"] == "linear" and scaling["factor"] == 2.0
+    (tmp_path / "out").mkdir()
+    for f in src.glob("*.safetensors*"):
+        shutil.copy(f, tmp_path / "out" / f.name)
+    (tmp_path / "out" / "config.json").write_text(json.dumps(written))
+    x = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = atom_model(cfg, HFSource(src).getter(cfg.model))(x)[0]
+        theirs = hf_model(tmp_path / "out")(x).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    mistral = save_hf("mistral", tmp_path / "m", tok_dir, sliding_window=16)
+    code = main(["train", "--model", str(mistral), "--set", "model.sliding_window=8",
+                 "--out", str(tmp_path / "run")])  # fmt: skip
+    assert (
+        code == 2 and "differs from the checkpoint's sliding_window=16" in capsys.readouterr().err
+    )

@@ -5,7 +5,6 @@ pytest tests/test_loggers.py
 
 from __future__ import annotations
 
-import builtins
 import csv
 import json
 
@@ -57,15 +56,16 @@ def test_tensorboard_event_files_hold_the_metrics(tmp_path, text_dataset):
 
 
 def test_a_logger_asked_for_but_not_installed_is_one_clear_line(tmp_path, monkeypatch):
-    real_import = builtins.__import__
+    """Refused before the engine is built (weights loaded, peers joined): nothing to undo."""
+    import sys
 
-    def no_wandb(name, *args, **kwargs):
-        if name == "wandb":
-            raise ImportError("No module named 'wandb'")
-        return real_import(name, *args, **kwargs)
+    import atom.train as train
 
-    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError
+    built = []
+    monkeypatch.setattr(train, "build_engine", lambda *a, **k: built.append(1))
     with pytest.raises(ConfigError, match=r"needs wandb: pip install 'atom\[wandb\]'"):
         Trainer(tiny_config(train={"logger": "csv,wandb"}), tmp_path / "run", progress=False)
+    assert not built
     with pytest.raises(ConfigError, match="train.logger: unknown 'mlflow'"):
         tiny_config(train={"logger": "csv,mlflow"})

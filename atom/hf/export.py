@@ -106,10 +106,17 @@ def _export_config(src: HFSource, mc: ModelConfig, dtype: str) -> dict[str, Any]
             c["activation_function"] = "gelu_new" if mc.gelu == "tanh" else "gelu"
     else:
         c["rms_norm_eps"] = mc.norm_eps
-        if isinstance(c.get("rope_parameters"), dict):
-            c["rope_parameters"]["rope_theta"] = mc.rope_theta
+        scaling = _rope_scaling(mc).get("rope_scaling", {})
+        if isinstance(c.get("rope_parameters"), dict):  # transformers >= 5
+            c["rope_parameters"] = {
+                "rope_type": mc.rope_type, "rope_theta": mc.rope_theta, **scaling
+            }  # fmt: skip
+            c["rope_parameters"].pop("type", None)
         else:
             c["rope_theta"] = mc.rope_theta
+            c.pop("rope_scaling", None)
+            if scaling:
+                c["rope_scaling"] = scaling
     return c
 
 

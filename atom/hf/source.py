@@ -171,8 +171,10 @@ def _rope(c: dict[str, Any], where: str) -> dict[str, Any]:
                     rope_high_freq_factor=float(value["high_freq_factor"]),
                     rope_original_max_position=int(value["original_max_position_embeddings"]),
                 )
-        except (KeyError, TypeError, ValueError) as err:
-            raise ConfigError(f"{where}: {key} ({kind}) lacks a valid {err}") from None
+        except KeyError as err:
+            raise ConfigError(f"{where}: {key} ({kind}) lacks {err}") from None
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: {key} ({kind}) has a value that is not a number") from None
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(
             f"{where}: partial_rotary_factor={c['partial_rotary_factor']} is not supported"
@@ -216,6 +218,7 @@ class HFSource:
     def _map_config(self) -> dict[str, Any]:
         c, where = self.config, self.where
         self.window: int | None = None
+        self.window_everywhere = False  # every layer slides (Mistral): atom's window
         if self.family == "gpt2":
             act = c.get("activation_function", "gelu_new")
             gelu = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}.get(act)
@@ -269,13 +272,14 @@ class HFSource:
             n = int(c["num_hidden_layers"])
             types = c.get("layer_types") or [
                 "sliding_attention"
-                if c.get("use_sliding_window") and i >= int(c.get("max_window_layers", n))
+                if c.get("use_sliding_window") and i >= int(c.get("max_window_layers", 28))
                 else "full_attention"
                 for i in range(n)
             ]
             if "sliding_attention" in types:
                 self.window = int(sliding)
                 every_layer = all(t == "sliding_attention" for t in types)
+        self.window_everywhere = every_layer
         max_pos = int(c.get("max_position_embeddings", DEFAULT_MAX_SEQ))
         self.n_positions = max_pos
         return {
@@ -331,7 +335,18 @@ class HFSource:
                 f"{self.n_positions} (learned positions); use --set model.seq_len="
                 f"{self.n_positions} or less"
             )
-        if self.window is not None and mc.sliding_window is None and mc.seq_len > self.window:
+        if self.window_everywhere and mc.sliding_window != self.window:
+            raise ConfigError(
+                f"model.sliding_window={mc.sliding_window} differs from the checkpoint's "
+                f"sliding_window={self.window}, which its layers were trained with; leave "
+                "model.sliding_window as loaded"
+            )
+        if not self.window_everywhere and mc.sliding_window is not None:
+            raise ConfigError(
+                "model.sliding_window is set but the checkpoint's attention has no window in "
+                "every layer; leave it null"
+            )
+        if self.window is not None and not self.window_everywhere and mc.seq_len > self.window:
             raise ConfigError(
                 f"model.seq_len={mc.seq_len} exceeds the checkpoint's sliding_window="
                 f"{self.window}, which only some of its layers use (atom's layers share one "

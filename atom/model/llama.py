@@ -95,6 +95,7 @@ class Attention(nn.Module):
         self.theta = cfg.rope_theta
         self.scaling = rope_scaling(cfg)
         self.window = cfg.sliding_window
+        self.context = cfg.seq_len
         self.wq = nn.Linear(cfg.d_model, cfg.n_head * self.hs, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
@@ -105,8 +106,11 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_head, self.hs).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
-        cos, sin = rope_tables(start + T, self.hs, self.theta, x.device, x.dtype, self.scaling)
-        cos, sin = cos[start:], sin[start:]
+        # generation (start > 0) slices one table of the context length: a table per
+        # decoded length would fill the cache
+        length = T if start == 0 else max(start + T, self.context)
+        cos, sin = rope_tables(length, self.hs, self.theta, x.device, x.dtype, self.scaling)
+        cos, sin = cos[start : start + T], sin[start : start + T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv != self.n_head
         if kv is not None:  # generation: attend to every cached key the rules allow
