@@ -424,10 +424,9 @@ class SwapEngine:
             self.store.fold_alias_grads(u)
             if inv_scale != 1.0:
                 buf.grad.mul_(inv_scale)
-            if self.deferred:
+            if self.deferred or self.eager:  # both need the step's global norm
                 self._norm_sq[u] = _sq_norm(buf.grad[: buf.spec.n_owned])
-            elif self.eager:
-                self._norm_sq[u] = _sq_norm(buf.grad[: buf.spec.n_owned])
+            if self.eager:
                 if math.isfinite(self._norm_sq[u]):
                     self._update(u, self._eager_coef, lr)
                 else:  # never apply a non-finite gradient; the rest of the step goes on
@@ -436,7 +435,7 @@ class SwapEngine:
                     with self.store.paged_in(u, dirty=False):
                         pass  # the prefetched state goes back unchanged
                     buf.ready.set()
-            else:
+            elif not self.deferred:
                 self._update(u, 1.0, lr)
 
         self.worker.submit(land)

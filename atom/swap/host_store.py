@@ -83,9 +83,8 @@ class HostStore:
                 for u, same in zip(units, shares, strict=True)
             ]
         )
-        cold = 0 if paged else None  # paged: placeholders until the tier points them
         for spec, same, on_bus in zip(units, shares, bus, strict=True):
-            n = spec.n_owned if cold is None else cold
+            n = 0 if paged else spec.n_owned  # paged: placeholders until the tier points them
             master = on_bus if same else torch.empty(n, dtype=self.master_dtype)
             grad = torch.zeros(spec.n_total, dtype=self.master_dtype)
             comp = torch.zeros(n, dtype=torch.bfloat16) if self.compact else None
@@ -163,10 +162,6 @@ class HostStore:
                 if owner == index:
                     src = buf.master[offset : offset + entry.numel]
                     other.compute[entry.offset : entry.offset + entry.numel].copy_(src)
-
-    def refresh_all(self) -> None:
-        for i in range(len(self.buffers)):
-            self.refresh_compute(i)
 
     def fold_alias_grads(self, index: int) -> None:
         """Add the gradients that alias holders computed for this unit's params."""
