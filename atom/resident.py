@@ -16,6 +16,7 @@ from atom.config import Config
 from atom.model import build_model, lm_loss, materialize
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
 from atom.swap.engine import StepResult
+from atom.swap.units import micro_batch
 
 
 class ResidentEngine:
@@ -65,14 +66,14 @@ class ResidentEngine:
         set_lr(self.opt, lr)
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for x, y in batches:
+        for batch in batches:
             if stop is not None and stop():
                 self.opt.zero_grad(set_to_none=True)
                 raise KeyboardInterrupt
-            x, y = x.to(self.device), y.to(self.device)
+            x, y, docs = micro_batch(batch, self.device)
             counter = [0]
             with self._autocast(), self._counting_hooks(counter):
-                loss = self._loss(x, y)
+                loss = self._loss(x, y, docs)
             self._activation_peak = max(self._activation_peak, counter[0])
             scaled = loss / len(batches)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -91,22 +92,23 @@ class ResidentEngine:
             self.opt.step()
         return StepResult(loss=float(total) / len(batches), grad_norm=norm)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, docs) -> torch.Tensor:
         if not self.recompute:
-            return self.model(x, y)[1]
+            return self.model(x, y, docs=docs)[1]
         from torch.utils.checkpoint import checkpoint
 
-        h = self.model.embed(x)
+        h = self.model.embed(x, docs=docs)
         for block in self.model.blocks:
-            h = checkpoint(block, h, use_reentrant=False)
+            h = checkpoint(block, h, docs=docs, use_reentrant=False)
         return lm_loss(self.model.head(h), y)
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         total = 0.0
-        for x, y in batches:
+        for batch in batches:
+            x, y, docs = micro_batch(batch, self.device)
             with self._autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device))
+                _, loss = self.model(x, y, docs=docs)
             total += float(loss)
         return total / len(batches)
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.config import ModelConfig
+from atom.model.documents import IGNORE, Documents
 
 
 class LanguageModel(nn.Module):
@@ -29,13 +30,20 @@ class LanguageModel(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.head = head
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache=None):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache=None,
+        docs: Documents | None = None,
+    ):
         """`cache` (atom.model.kv_cache.KVCache): generation, idx continues the cached
-        tokens; the cache takes the new keys/values and advances."""
+        tokens; the cache takes the new keys/values and advances. `docs`: rows packed with
+        several documents, kept apart (atom.model.documents)."""
         if cache is None:
-            h = self.embed(idx)  # (B, T, C)
+            h = self.embed(idx, docs=docs)  # (B, T, C)
             for block in self.blocks:
-                h = block(h)
+                h = block(h, docs=docs)
         else:
             start = cache.pos
             h = self.embed(idx, start)
@@ -49,8 +57,15 @@ class LanguageModel(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the targets that count: IGNORE (-100) marks a token with no
+    loss (a prompt's, a padding's). A batch with none at all gives 0, not 0/0 = NaN, and
+    no host sync is needed to find out."""
     # fp32 softmax: bf16 logits lose too much precision in the log-sum-exp.
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+    flat = targets.view(-1)
+    total = F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), flat, ignore_index=IGNORE, reduction="sum"
+    )
+    return total / (flat != IGNORE).sum().clamp(min=1)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -8,6 +8,7 @@ from torch import nn
 
 from atom.config import ModelConfig
 from atom.model.common import LanguageModel
+from atom.model.documents import Documents
 from atom.model.kv_cache import LayerCache, attention_mask
 
 
@@ -17,7 +18,9 @@ class GPTEmbed(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int = 0, docs: Documents | None = None):
+        if docs is not None:  # each packed document counts from 0
+            return self.wte(idx) + self.wpe(docs.positions)
         pos = torch.arange(start, start + idx.size(1), device=idx.device)
         return self.wte(idx) + self.wpe(pos)  # (B, T, C)
 
@@ -29,7 +32,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
+    def forward(self, x, kv: LayerCache | None = None, start: int = 0, docs=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
@@ -39,6 +42,8 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attention_mask(start, T, None, x.device)
             )
+        elif docs is not None:  # packed documents: each sees only itself
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask())
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
@@ -63,8 +68,8 @@ class GPTBlock(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
-        x = x + self.attn(self.ln_1(x), kv, start)
+    def forward(self, x, kv: LayerCache | None = None, start: int = 0, docs=None):
+        x = x + self.attn(self.ln_1(x), kv, start, docs)
         return x + self.mlp(self.ln_2(x))
 
 

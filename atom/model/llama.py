@@ -101,7 +101,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv * self.hs, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_head * self.hs, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
+    def forward(self, x, kv: LayerCache | None = None, start: int = 0, docs=None):
         B, T, C = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.hs).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv, self.hs).transpose(1, 2)
@@ -110,10 +110,16 @@ class Attention(nn.Module):
         # decoded length would fill the cache
         length = T if start == 0 else max(start + T, self.context)
         cos, sin = rope_tables(length, self.hs, self.theta, x.device, x.dtype, self.scaling)
-        cos, sin = cos[start : start + T], sin[start : start + T]
+        if docs is not None:  # packed documents: each counts its positions from 0
+            cos, sin = docs.gather(cos), docs.gather(sin)
+        else:
+            cos, sin = cos[start : start + T], sin[start : start + T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv != self.n_head
-        if kv is not None:  # generation: attend to every cached key the rules allow
+        if docs is not None:  # and sees only itself (within the window when there is one)
+            mask = docs.mask(self.window if self.window is not None and self.window < T else None)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        elif kv is not None:  # generation: attend to every cached key the rules allow
             k, v = kv.append(k, v)
             mask = attention_mask(start, T, self.window, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -144,8 +150,8 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, kv: LayerCache | None = None, start: int = 0):
-        x = x + self.attention(self.attention_norm(x), kv, start)
+    def forward(self, x, kv: LayerCache | None = None, start: int = 0, docs=None):
+        x = x + self.attention(self.attention_norm(x), kv, start, docs)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -154,7 +160,7 @@ class LlamaEmbed(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
 
-    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int = 0, docs=None) -> torch.Tensor:
         return self.wte(idx)  # positions enter through RoPE in attention
 
 

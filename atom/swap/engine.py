@@ -40,7 +40,7 @@ from atom.swap.host_worker import HostWorker
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan
 from atom.swap.slots import DeviceSlots, MemoryLedger
-from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
+from atom.swap.units import UnitSpec, micro_batch, param_leaves, partition, run_unit
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class _StepState:
     loss_sum: torch.Tensor
     h: dict = field(default_factory=dict)  # micro -> hidden state at the forward frontier
     targets: dict = field(default_factory=dict)  # micro -> targets, until the head
+    docs: dict = field(default_factory=dict)  # micro -> Documents (packed rows) or None
     grad_h: dict = field(default_factory=dict)  # micro -> gradient at the backward frontier
     saved: dict = field(default_factory=dict)  # (unit, micro) -> checkpoint or graph
     acc: dict = field(default_factory=dict)  # unit -> (flat device gradient, its views)
@@ -122,8 +123,7 @@ class SwapEngine:
             [b.grad[p.offset : p.offset + p.numel].view(p.shape) for p in b.spec.params]
             for b in self.store.buffers
         ]
-        self.d2h_copies = 0  # gradient copies device -> host, and their bytes (benchmarks)
-        self.d2h_bytes = 0
+        self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
     # ------------------------------------------------------------------ setup helpers
@@ -260,22 +260,22 @@ class SwapEngine:
                     raise KeyboardInterrupt
                 m, u = v.micro, v.unit
                 if v.phase == "f" and u == 0:
-                    x, y = (t.to(self.backend.device, non_blocking=True) for t in batches[m])
-                    st.h[m], st.targets[m] = x, y
+                    batch = micro_batch(batches[m], self.backend.device)
+                    st.h[m], st.targets[m], st.docs[m] = batch
                 if not self.slots.has(u):
                     self._load(u)
                 flat = self.slots.acquire(u)
                 if v.phase == "f" and u < N - 1:
-                    st.h[m] = self._forward_unit(u, m, flat, st.h[m], st.saved)
+                    st.h[m] = self._forward_unit(u, m, flat, st.h[m], st.saved, st.docs[m])
                 elif v.phase == "f":  # head: forward with grad and its backward right away
                     loss, st.grad_h[m], grads = self._head_step(
-                        u, flat, st.h.pop(m), st.targets.pop(m), scale
+                        u, flat, st.h.pop(m), st.targets.pop(m), scale, st.docs[m]
                     )
                     st.loss_sum += loss.detach()
                     self._accumulate(u, grads, plan.runs[pos], st)
                 else:
                     st.grad_h[m], grads = self._backward_unit(
-                        u, m, flat, st.grad_h.pop(m), st.saved
+                        u, m, flat, st.grad_h.pop(m), st.saved, st.docs[m]
                     )
                     self._accumulate(u, grads, plan.runs[pos], st)
                 self._advance(plan, pos, u)
@@ -301,7 +301,7 @@ class SwapEngine:
             self._unblock_all()
             self.ledger.current = ledger_at_start
 
-    def _forward_unit(self, u: int, m: int, flat, h, saved: dict) -> torch.Tensor:
+    def _forward_unit(self, u: int, m: int, flat, h, saved: dict, docs) -> torch.Tensor:
         if self.cfg.swap.checkpoint:
             if u > 0 and self.cfg.swap.offload_activations:
                 saved[u, m] = self.backend.offload(h)  # kept in host memory until backward
@@ -310,27 +310,27 @@ class SwapEngine:
                 if u > 0:
                     self.ledger.add(h.nbytes)
             with torch.no_grad():
-                return run_unit(self.units[u], flat, h)
+                return run_unit(self.units[u], flat, h, docs=docs)
         counter = [0]
         h_in = h if u == 0 else h.detach().requires_grad_()
         leaves = param_leaves(self.units[u], flat)
         with self._hooks(u, counter):
-            out = run_unit(self.units[u], leaves, h_in)
+            out = run_unit(self.units[u], leaves, h_in, docs=docs)
         saved[u, m] = (h_in, out, leaves, counter)
         return out.detach()
 
-    def _head_step(self, u, flat, h, y, scale):
+    def _head_step(self, u, flat, h, y, scale, docs):
         counter = [0]
         h_in = h.detach().requires_grad_()
         leaves = param_leaves(self.units[u], flat)
         with self._hooks(u, counter):
-            loss = run_unit(self.units[u], leaves, h_in, y)
+            loss = run_unit(self.units[u], leaves, h_in, y, docs)
         grad_h, *grads = torch.autograd.grad(loss * scale, [h_in, *leaves])
         self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
         self.ledger.sub(counter[0])
         return loss, grad_h, grads
 
-    def _backward_unit(self, u: int, m: int, flat, grad_h, saved: dict):
+    def _backward_unit(self, u: int, m: int, flat, grad_h, saved: dict, docs):
         unit = self.units[u]
         ckpt = self.cfg.swap.checkpoint
         offloaded = ckpt and u > 0 and self.cfg.swap.offload_activations
@@ -342,7 +342,7 @@ class SwapEngine:
             h_in = x if u == 0 else x.detach().requires_grad_()
             leaves = param_leaves(unit, flat)
             with self._hooks(u, counter, counted=None if offloaded else h_in):
-                out = run_unit(unit, leaves, h_in)
+                out = run_unit(unit, leaves, h_in, docs=docs)
         else:
             h_in, out, leaves, counter = saved.pop((u, m))
         if u == 0:
@@ -503,21 +503,21 @@ class SwapEngine:
             self._plans[key] = StepPlan.evaluation(N, len(batches), self.cfg.swap.prefetch + 1)
         plan = self._plans[key]
         total = torch.zeros((), device=self.backend.device)
-        h: dict[int, torch.Tensor] = {}
+        h, targets, docs = {}, {}, {}  # micro -> hidden state, targets, Documents or None
         self._advance(plan, -1, None)
         try:
             for pos, v in enumerate(plan.visits):
                 b, u = v.micro, v.unit
                 if u == 0:
-                    h[b] = batches[b][0].to(self.backend.device)
+                    h[b], targets[b], docs[b] = micro_batch(batches[b], self.backend.device)
                 if not self.slots.has(u):
                     self._load(u)
                 flat = self.slots.acquire(u)
                 if u < N - 1:
-                    h[b] = run_unit(self.units[u], flat, h[b])
+                    h[b] = run_unit(self.units[u], flat, h[b], docs=docs[b])
                 else:
-                    y = batches[b][1].to(self.backend.device)
-                    total += run_unit(self.units[u], flat, h.pop(b), y).float()
+                    loss = run_unit(self.units[u], flat, h.pop(b), targets.pop(b), docs.pop(b))
+                    total += loss.float()
                 self._advance(plan, pos, u)
         finally:
             self.slots.release_all()

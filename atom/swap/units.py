@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from atom.model import LanguageModel, lm_loss
+from atom.model.documents import Documents
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ class UnitModule(nn.Module):
         self.kind = kind
         self.parts = nn.ModuleList(parts)
 
-    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, targets=None, docs: Documents | None = None):
         for part in self.parts:
-            h = part(h)
+            h = part(h) if self.kind == "head" else part(h, docs=docs)
         if self.kind == "head" and targets is not None:
             return lm_loss(h, targets)
         return h
@@ -149,6 +150,7 @@ def run_unit(
     params: torch.Tensor | list[torch.Tensor],
     h: torch.Tensor,
     targets: torch.Tensor | None = None,
+    docs: Documents | None = None,
 ) -> torch.Tensor:
     """Forward one unit with its parameters taken from a flat slot buffer, or from a list
     of per-parameter tensors in unit.params order (param_leaves).
@@ -160,4 +162,11 @@ def run_unit(
         params = [params[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
     for (module, attr), tensor in zip(unit.bindings, params, strict=True):
         module._parameters[attr] = tensor
-    return unit.module(h, targets)
+    return unit.module(h, targets, docs)
+
+
+def micro_batch(batch: tuple, device) -> tuple:
+    """A micro-batch (x, y), or (x, y, positions) for rows packed with documents, on the
+    device as (x, y, Documents or None)."""
+    x, y, *positions = (t.to(device, non_blocking=True) for t in batch)
+    return x, y, Documents(positions[0]) if positions else None
