@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.1,
         help="last fraction of tokens held out for validation (default 0.1)",
     )
+    pr.add_argument(
+        "--learn-prompts",
+        action="store_true",
+        help="JSONL records: learn the prompts' tokens too (default: only the assistant "
+        "turns, outputs and completions)",
+    )
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("run", help="run directory or checkpoint directory")
@@ -381,9 +387,11 @@ def cmd_prepare(args) -> int:
         Path(args.out),
         tokenizer=args.tokenizer,
         val_fraction=args.val_fraction,
+        learn_prompts=args.learn_prompts,
     )
+    kind = " in documents (JSONL records)" if meta.documents else ""
     print(
-        f"atom: wrote {meta.train_tokens:,} train and {meta.val_tokens:,} val tokens "
+        f"atom: wrote {meta.train_tokens:,} train and {meta.val_tokens:,} val tokens{kind} "
         f"(vocab {meta.vocab_size}) to {args.out}; train with --set train.data={args.out}"
     )
     return 0

@@ -3,6 +3,14 @@
 A prepared dataset is a directory holding ``train.bin`` and ``val.bin`` (raw numpy token arrays,
 read back with ``np.memmap``) plus ``meta.json`` (a :class:`DatasetMeta`). ``meta.json`` is
 written last, so its presence is what marks a directory as complete.
+
+A dataset of records (JSONL: chat, instructions, prompt/completion) is a dataset of
+*documents*: ``train.flags``/``val.flags`` hold one byte per token, LEARN (the model learns to
+write it: an assistant turn, a completion; a prompt's tokens only are read) and START (a
+document begins). Its windows start where a document starts (anywhere inside one longer than
+a window), are packed with the documents that follow, and carry the positions within each
+document so the model keeps them apart (atom.model.documents); targets not to learn are
+IGNORE. Plain text is one stream: random windows, every token learned, as before.
 """
 
 from __future__ import annotations
@@ -14,8 +22,9 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +32,16 @@ import torch
 from tqdm import tqdm
 
 from atom.errors import DataError  # noqa: F401  (re-exported: callers import it from here too)
-from atom.text import eos_token_id, jsonl_chunks, tokenizer_file
+from atom.model.documents import IGNORE, positions_in_documents
+from atom.text import jsonl_chunks
+from atom.tokenize import (  # noqa: F401  (file_blocks, text_pieces: re-exported)
+    TextEncoder,
+    byte_tokenizer,
+    file_blocks,
+    load_tokenizer,
+    text_pieces,
+    token_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +49,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")  # .jsonl: one record per line 
 META_NAME = "meta.json"
 TRAIN_NAME = "train.bin"
 VAL_NAME = "val.bin"
-_TOKENIZERS_PREFIX = "tokenizers:"
+FLAGS_SUFFIX = ".flags"  # train.flags / val.flags beside the .bin of a dataset of documents
+LEARN, START = 1, 2  # flag bits
 # Second entropy word of the RNG seed: keeps train and val streams disjoint for the same seed.
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
 
@@ -44,6 +63,7 @@ class DatasetMeta:
     train_tokens: int
     val_tokens: int
     source: str
+    documents: bool = False  # records with per-token flags (datasets before it: plain text)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -56,23 +76,15 @@ class DatasetMeta:
             raise DataError(f"meta.json is not valid JSON ({e}); re-run atom prepare") from e
         if not isinstance(raw, dict):
             raise DataError("meta.json does not hold a JSON object; re-run atom prepare")
-        missing = [f.name for f in fields(cls) if f.name not in raw]
+        required = [f for f in fields(cls) if f.default is MISSING]
+        missing = [f.name for f in required if f.name not in raw]
         if missing:
             raise DataError(f"meta.json lacks {', '.join(missing)}; re-run atom prepare")
         # Unknown keys are ignored so that a newer atom's datasets stay readable.
-        meta = cls(**{f.name: raw[f.name] for f in fields(cls)})
+        meta = cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
         if meta.dtype not in ("uint8", "uint16", "uint32"):
             raise DataError(f"meta.json has unsupported dtype {meta.dtype!r}; re-run atom prepare")
         return meta
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype that holds every token id of a vocabulary."""
-    if vocab_size <= 1 << 8:
-        return np.dtype(np.uint8)
-    if vocab_size <= 1 << 16:
-        return np.dtype(np.uint16)
-    return np.dtype(np.uint32)
 
 
 def check_vocab(meta: DatasetMeta, vocab_size: int, data_dir: Path | str | None = None) -> None:
@@ -86,136 +98,16 @@ def check_vocab(meta: DatasetMeta, vocab_size: int, data_dir: Path | str | None 
         )
 
 
-@dataclass
-class _Tokenizer:
-    name: str  # canonical form stored in meta.json
-    vocab_size: int
-    encode: Callable[[bytes, Path], np.ndarray]
-    eos: int | None = None  # appended after each JSONL record
-
-
-PIECE_CHARS = 1 << 20
-
-
-def _single_space(text, i: int) -> bool:
-    """A lone space between two non-space characters (text may be str or bytes)."""
-    space = " " if isinstance(text, str) else 32
-    return text[i] == space and not _is_space(text[i - 1]) and not _is_space(text[i + 1])
-
-
-def _is_space(c) -> bool:
-    return c.isspace() if isinstance(c, str) else c in _SPACE
-
-
-def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
-    """`text` in pieces of about `size` characters, each cut just before a lone space that
-    starts a word ("a word" -> "a" + " word"): where BPE pre-tokenizers put a boundary
-    anyway (GPT-2's byte-level, tiktoken-style, SentencePiece's metaspace), so encoding the
-    pieces one by one gives the tokens of the whole (tested for byte-level BPE). Runs of
-    whitespace and newlines are never cut. A text with no such place in a piece's second
-    half is cut at its end."""
-    start, n = 0, len(text)
-    while n - start > size:
-        end = start + size
-        cut = end
-        while cut > start + size // 2 and not _single_space(text, cut - 1):
-            cut -= 1
-        if cut == start + size // 2:  # no word boundary in the second half: cut anyway
-            cut = end
-        else:
-            cut -= 1  # before the whitespace, which belongs to the next word
-        yield text[start:cut]
-        start = cut
-    if start < n:
-        yield text[start:]
-
-
-def _byte_tokenizer() -> _Tokenizer:
-    return _Tokenizer("byte", 256, lambda data, _path: np.frombuffer(data, dtype=np.uint8))
-
-
-def _load_tokenizer(spec: str) -> _Tokenizer:
-    if spec == "byte":
-        return _byte_tokenizer()
-    if Path(spec).expanduser().is_dir():  # a Hugging Face checkpoint directory
-        spec = str(tokenizer_file(Path(spec).expanduser()))
-    if spec.startswith(_TOKENIZERS_PREFIX):
-        path_str = spec[len(_TOKENIZERS_PREFIX) :]
-    elif spec.endswith(".json"):
-        path_str = spec  # a bare tokenizer.json path is unambiguous, so accept it
-    else:
-        raise DataError(
-            f"unknown tokenizer {spec!r}; use 'byte' or 'tokenizers:/path/to/tokenizer.json'"
-        )
-    path = Path(path_str).expanduser().resolve()
-    if not path.is_file():
-        raise DataError(f"tokenizer file {path} does not exist; pass the path to a tokenizer.json")
-    try:
-        # Imported lazily: it is an optional extra and byte-level training never needs it.
-        from tokenizers import Tokenizer
-    except ImportError as e:
-        raise DataError(
-            "the 'tokenizers' package is not installed; pip install 'atom[tokenizers]' "
-            "or use --tokenizer byte"
-        ) from e
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception on malformed files
-        raise DataError(
-            f"could not load tokenizer {path} ({e}); pass a valid tokenizer.json"
-        ) from e
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = token_dtype(vocab)
-
-    def encode(data: bytes, src: Path) -> np.ndarray:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            logger.warning("%s is not valid UTF-8; undecodable bytes become U+FFFD", src)
-            text = data.decode("utf-8", errors="replace")
-        # One encode call per piece of ~1 MB: a whole file in one call (a 30 MB line, say)
-        # makes the tokenizer's working memory grow out of bounds.
-        ids = [tok.encode(piece, add_special_tokens=False).ids for piece in text_pieces(text)]
-        return np.asarray([i for part in ids for i in part], dtype=dtype)
-
-    return _Tokenizer(f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok))
-
-
-BLOCK_BYTES = 1 << 22
-_SPACE = b" \t\n\r\x0b\x0c"
-
-
-def file_blocks(path: Path, size: int | None = None) -> Iterator[bytes]:
-    """A file in blocks of about `size` bytes, so a corpus of any size is tokenized in
-    bounded memory. Each block ends just before a lone space that starts a word (as
-    text_pieces cuts text: the tokens are those of the whole file), or, with no such place
-    in the block's second half, at a UTF-8 character boundary."""
-    size = size or BLOCK_BYTES
-    data = b""
-    with open(path, "rb") as f:
-        while chunk := f.read(size):
-            data += chunk
-            while len(data) > size:
-                cut = _word_cut(data, size)
-                yield data[:cut]
-                data = data[cut:]
-    if data:
-        yield data
-
-
-def _word_cut(data: bytes, size: int) -> int:
-    for i in range(size - 1, size // 2, -1):
-        if _single_space(data, i):
-            return i  # before the space, which belongs to the next word
-    cut = size
-    while cut > size // 2 and 0x80 <= data[cut] < 0xC0:  # not inside a UTF-8 character
-        cut -= 1
-    return cut
-
-
 def _head(path: Path, n: int = 8192) -> bytes:
     with open(path, "rb") as f:
         return f.read(n)
+
+
+def _is_records(path: Path) -> bool:
+    """JSONL records, one a line: .jsonl, or recognised by content (a .json of records)."""
+    if path.suffix == ".jsonl":
+        return True
+    return path.suffix not in TEXT_SUFFIXES and b"\0" not in _head(path) and _looks_like_jsonl(path)
 
 
 def _looks_like_jsonl(path: Path, most: int = 1 << 24) -> bool:
@@ -248,14 +140,27 @@ def _collect_files(inputs: list[Path]) -> list[Path]:
     return files
 
 
+def _document_cut(flags_path: Path, n_train: int, total: int) -> int:
+    """Where val begins in a dataset of documents: the first document start at or after
+    the planned cut, else the last before it, so no document is split between the two."""
+    flags = np.memmap(flags_path, dtype=np.uint8, mode="r", shape=(total,))
+    after = np.flatnonzero(flags[n_train:] & START)
+    if len(after) and n_train + after[0] < total:
+        return n_train + int(after[0])
+    before = np.flatnonzero(flags[1:n_train] & START)
+    return 1 + int(before[-1]) if len(before) else n_train
+
+
 def _write_dataset(
-    chunks: Iterable[np.ndarray],
+    chunks: Iterable,
     out_dir: Path,
-    tok: _Tokenizer,
+    tok: TextEncoder,
     val_fraction: float,
     source: str,
+    documents: bool = False,
 ) -> DatasetMeta:
-    """Stream token chunks to disk, split off the tail as val, and publish atomically."""
+    """Stream token chunks to disk, split off the tail as val, and publish atomically.
+    `documents`: chunks are (ids, flags) pairs, and the flags are written beside."""
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     if out_dir.exists() and not out_dir.is_dir():
@@ -267,8 +172,13 @@ def _write_dataset(
 
     dtype = token_dtype(tok.vocab_size)
     # Unique temp names, so concurrent prepares into one directory cannot corrupt each other.
+    flag_names = [n.replace(".bin", FLAGS_SUFFIX) for n in (TRAIN_NAME, VAL_NAME)]
+    names = [TRAIN_NAME, VAL_NAME, META_NAME] + (flag_names if documents else [])
+    for name in flag_names:
+        if not documents:  # an older dataset of documents in the same place
+            (out_dir / name).unlink(missing_ok=True)
     tmp: dict[str, Path] = {}
-    for name in (TRAIN_NAME, VAL_NAME, META_NAME):
+    for name in names:
         fd, tmp_name = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".tmp")
         os.close(fd)
         # mkstemp makes the file private (0600); a dataset is meant to be shared like any file.
@@ -276,12 +186,16 @@ def _write_dataset(
         tmp[name] = Path(tmp_name)
     try:
         total = 0
-        with open(tmp[TRAIN_NAME], "r+b") as f_train:
-            # Everything goes to the train file first; the val tail is moved out once the
-            # total is known, which avoids holding the corpus in memory.
+        # Everything goes to the train files first; the val tail is moved out once the
+        # total is known, which avoids holding the corpus in memory.
+        with open(tmp[TRAIN_NAME], "r+b") as f_train, ExitStack() as stack:
+            f_flags = stack.enter_context(open(tmp[flag_names[0]], "r+b")) if documents else None
             for chunk in chunks:
-                f_train.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
-                total += len(chunk)
+                ids, flags = chunk if documents else (chunk, None)
+                f_train.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
+                if f_flags is not None:
+                    f_flags.write(np.ascontiguousarray(flags, dtype=np.uint8).tobytes())
+                total += len(ids)
             if total == 0:
                 raise DataError("the corpus is empty; pass files or directories that hold text")
             if total < 2:
@@ -289,23 +203,49 @@ def _write_dataset(
             # Both splits get at least one token so that neither file is empty.
             n_val = min(max(round(total * val_fraction), 1), total - 1)
             n_train = total - n_val
-            with open(tmp[VAL_NAME], "wb") as f_val:
-                f_train.seek(n_train * dtype.itemsize)
-                shutil.copyfileobj(f_train, f_val)
-                f_val.flush()
-                os.fsync(f_val.fileno())
-            f_train.truncate(n_train * dtype.itemsize)
-            f_train.flush()
-            os.fsync(f_train.fileno())
-        meta = DatasetMeta(tok.vocab_size, tok.name, dtype.name, n_train, n_val, source)
+            if f_flags is not None:
+                f_flags.flush()
+                n_train = _document_cut(tmp[flag_names[0]], n_train, total)
+                n_val = total - n_train
+                _split_tail(f_flags, tmp[flag_names[1]], n_train, 1)
+            _split_tail(f_train, tmp[VAL_NAME], n_train, dtype.itemsize)
+        meta = DatasetMeta(tok.vocab_size, tok.name, dtype.name, n_train, n_val, source, documents)
         tmp[META_NAME].write_text(meta.to_json())
-        os.replace(tmp[TRAIN_NAME], out_dir / TRAIN_NAME)
-        os.replace(tmp[VAL_NAME], out_dir / VAL_NAME)
-        os.replace(tmp[META_NAME], out_dir / META_NAME)  # last: marks the directory complete
+        for name in names:  # meta.json last: it marks the directory complete
+            os.replace(tmp[name], out_dir / name)
     finally:
         for p in tmp.values():
             p.unlink(missing_ok=True)
     return meta
+
+
+def _documents(tokens: Iterator[tuple[Path, object]], records: set[Path]) -> Iterator[tuple]:
+    """(ids, flags) per chunk: every record a document (learned as its flags say), every
+    text file one document, all learned."""
+    started: set[Path] = set()
+    for path, chunk in tokens:
+        if path in records:
+            ids, learn = chunk
+            flags = learn & LEARN
+        else:
+            ids, flags = chunk, np.full(len(chunk), LEARN, dtype=np.uint8)
+        if len(ids) and path not in started:
+            flags[0] |= START
+            if path not in records:
+                started.add(path)  # a text file's later blocks continue its document
+        yield ids, flags
+
+
+def _split_tail(f_all, val_path: Path, n_train: int, itemsize: int) -> None:
+    """Move what follows the first n_train items of f_all into val_path, both synced."""
+    with open(val_path, "wb") as f_val:
+        f_all.seek(n_train * itemsize)
+        shutil.copyfileobj(f_all, f_val)
+        f_val.flush()
+        os.fsync(f_val.fileno())
+    f_all.truncate(n_train * itemsize)
+    f_all.flush()
+    os.fsync(f_all.fileno())
 
 
 def prepare(
@@ -315,16 +255,20 @@ def prepare(
     val_fraction: float = 0.1,
     progress: bool = True,
     source: str | None = None,
+    learn_prompts: bool = False,
 ) -> DatasetMeta:
-    """Tokenize text files/directories into ``out_dir``; the last ``val_fraction`` is val."""
-    tok = _load_tokenizer(tokenizer)
+    """Tokenize text files/directories into ``out_dir``; the last ``val_fraction`` is val.
+    With JSONL records among them it is a dataset of documents (see the module doc);
+    `learn_prompts` learns the prompts' tokens too."""
+    tok = load_tokenizer(tokenizer)
     files = _collect_files([Path(p) for p in inputs])
     if not files:
         raise DataError("the corpus is empty: no text files found; pass files or directories")
     if source is None:
         source = f"{len(files)} file(s) from " + ", ".join(str(Path(p)) for p in inputs)
+    records = {p for p in files if _is_records(p)}
 
-    def chunks() -> Iterator[np.ndarray]:
+    def tokens() -> Iterator[tuple[Path, object]]:
         for path in tqdm(files, desc="tokenizing", unit="file", disable=not progress):
             head = _head(path)
             if b"\0" in head:
@@ -333,16 +277,15 @@ def prepare(
                     "(convert UTF-16 to UTF-8), or "
                     f"directories (from which only {'/'.join(TEXT_SUFFIXES)} files are read)"
                 )
-            # records, one a line: .jsonl, or recognised by content (a .json file of records)
-            if path.suffix == ".jsonl" or (
-                path.suffix not in TEXT_SUFFIXES and _looks_like_jsonl(path)
-            ):
-                yield from jsonl_chunks(path, tok)
+            if path in records:
+                for chunk in jsonl_chunks(path, tok, learn_prompts):
+                    yield path, chunk
                 continue
             for block in file_blocks(path):
-                yield tok.encode(block, path)
+                yield path, tok.encode(block, path)
 
-    meta = _write_dataset(chunks(), Path(out_dir), tok, val_fraction, source)
+    chunks = _documents(tokens(), records) if records else (chunk for _, chunk in tokens())
+    meta = _write_dataset(chunks, Path(out_dir), tok, val_fraction, source, bool(records))
     logger.info(
         "prepared %s: %d train + %d val tokens", out_dir, meta.train_tokens, meta.val_tokens
     )
@@ -398,7 +341,7 @@ def default_corpus(cache_dir: Path | None = None, max_bytes: int = 8_000_000) ->
             f"Python {major}.{minor} standard library *.py sources ({stdlib}), "
             f"first {max_bytes} bytes"
         )
-        _write_dataset(chunks(), tmp_dir, _byte_tokenizer(), 0.1, source)
+        _write_dataset(chunks(), tmp_dir, byte_tokenizer(), 0.1, source)
         if final.exists() and not (final / META_NAME).is_file():
             logger.warning("removing incomplete cached dataset %s", final)
             shutil.rmtree(final, ignore_errors=True)
@@ -427,6 +370,27 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
                 f"{path} holds token id {top}, outside the dataset's vocabulary of "
                 f"{vocab_size} (a corrupt or foreign shard); re-run atom prepare"
             )
+
+
+@dataclass
+class _DocumentIndex:
+    """A split's flags and where its documents start."""
+
+    flags: np.memmap
+    starts: np.ndarray  # token index of each document start, ascending
+
+    def window_starts(self, drawn: np.ndarray, T: int) -> np.ndarray:
+        """A window drawn at token p starts where p's document starts when the document is
+        shorter than the window (then the documents after it fill the rest), and at p
+        inside a longer one: every token is drawn with the same chance, and a short
+        document is always read whole from its start."""
+        n = len(self.flags)
+        k = np.searchsorted(self.starts, drawn, side="right") - 1
+        begin = np.where(k >= 0, self.starts[np.maximum(k, 0)], 0)
+        ends = np.append(self.starts, n)
+        end = ends[np.minimum(k + 1, len(self.starts))]
+        chosen = np.where(end - begin <= T + 1, begin, drawn)
+        return np.minimum(chosen, n - T - 1)
 
 
 class TokenData:
@@ -465,6 +429,28 @@ class TokenData:
         self._val = self._open(VAL_NAME, self.meta.val_tokens, dtype)
         for name, tokens in ((TRAIN_NAME, self._train), (VAL_NAME, self._val)):
             _check_ids(tokens, self.meta.vocab_size, self.data_dir / name)
+        self._docs: dict[int, _DocumentIndex] = {}
+        if self.meta.documents:
+            for name, tokens in ((TRAIN_NAME, self._train), (VAL_NAME, self._val)):
+                self._docs[id(tokens)] = self._open_flags(name, len(tokens))
+
+    def _open_flags(self, name: str, n_tokens: int) -> _DocumentIndex:
+        path = self.data_dir / name.replace(".bin", FLAGS_SUFFIX)
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != n_tokens:
+            found = "is missing" if actual is None else f"has {actual} bytes"
+            raise DataError(
+                f"{path} {found} but the dataset has {n_tokens} tokens (truncated or "
+                "corrupt); re-run atom prepare"
+            )
+        flags = np.memmap(path, dtype=np.uint8, mode="r")
+        if not any((flags[i : i + (1 << 26)] & LEARN).any() for i in range(0, n_tokens, 1 << 26)):
+            raise DataError(
+                f"{path}: no token of the {name.removesuffix('.bin')} split is to be learned "
+                "(records with prompts and no answers); add assistant turns or completions, "
+                "or prepare with --learn-prompts"
+            )
+        return _DocumentIndex(flags, np.flatnonzero(flags & START))
 
     def _open(self, name: str, n_tokens: int, dtype: np.dtype) -> np.memmap:
         path = self.data_dir / name
@@ -485,29 +471,36 @@ class TokenData:
             )
         return np.memmap(path, dtype=dtype, mode="r")
 
-    def _windows(
-        self, tokens: np.memmap, rng: np.random.Generator, batch_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, tokens: np.memmap, rng: np.random.Generator, batch_size: int) -> tuple:
+        """(x, y), or for a dataset of documents (x, y, positions within the documents)."""
         T = self.seq_len
         # Highest valid start is len - T - 1 so that y's last token exists; high is exclusive.
         starts = rng.integers(0, len(tokens) - T, size=batch_size)
-        buf = tokens[starts[:, None] + np.arange(T + 1)].astype(np.int64)
+        docs = self._docs.get(id(tokens))
+        if docs is not None:
+            starts = docs.window_starts(starts, T)
+        at = starts[:, None] + np.arange(T + 1)
+        buf = tokens[at].astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(buf[:, :-1]))
         y = torch.from_numpy(np.ascontiguousarray(buf[:, 1:]))
-        return x, y
+        if docs is None:
+            return x, y
+        flags = torch.from_numpy(docs.flags[at].astype(np.int64))
+        begins = (flags & START) != 0
+        # a target is learned when flagged so, and not the first token of the next document
+        learned = ((flags & LEARN) != 0) & ~begins
+        y = y.masked_fill(~learned[:, 1:], IGNORE)
+        return x, y, positions_in_documents(begins)[:, :-1].contiguous()
 
-    def train_batch(
-        self, step: int, micro: int, batch_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) int64 of shape (batch_size, seq_len); a pure function of (seed, step, micro)."""
+    def train_batch(self, step: int, micro: int, batch_size: int) -> tuple:
+        """(x, y) int64 of shape (batch_size, seq_len), and the positions within documents
+        for a dataset of documents; a pure function of (seed, step, micro)."""
         if step < 0 or micro < 0:
             raise ValueError(f"step and micro must be non-negative, got {step}, {micro}")
         rng = np.random.default_rng([self.seed, _TRAIN_STREAM, step, micro])
         return self._windows(self._train, rng, batch_size)
 
-    def val_batches(
-        self, n_batches: int, batch_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(self, n_batches: int, batch_size: int) -> list[tuple]:
         """A fixed set of val batches; batch k depends only on (seed, k), so sets nest."""
         return [
             self._windows(self._val, np.random.default_rng([self.seed, _VAL_STREAM, k]), batch_size)

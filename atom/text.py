@@ -6,7 +6,9 @@ tokenizer files), so neither reaches into the other.
 ``atom prepare --tokenizer DIR`` reads DIR/tokenizer.json; records of ``.jsonl`` files
 (``{"text"}``, chat ``{"messages"}`` through the checkpoint's chat template, Alpaca
 instruction/output, prompt/completion) become token arrays, each ended by the tokenizer's
-end-of-text token. transformers is never imported; nothing touches the network.
+end-of-text token, with a flag per token saying whether the model learns to write it (the
+assistant's turns, the output, the completion) or only reads it (the prompt).
+transformers is never imported; nothing touches the network.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def eos_token_id(tokenizer_json: Path, tok) -> int | None:
 
 
 def _chat_template(tokenizer_json: Path | None):
-    """The checkpoint's Jinja chat template, compiled, or None."""
+    """The checkpoint's Jinja chat template, compiled: render(messages,
+    add_generation_prompt=False) -> str; or None."""
     if tokenizer_json is None:
         return None
     cfg = _tokenizer_config(tokenizer_json)
@@ -118,19 +121,68 @@ def _chat_template(tokenizer_json: Path | None):
         "bos_token": _token_text(cfg.get("bos_token")) or "",
         "eos_token": _token_text(cfg.get("eos_token")) or "",
     }
-    return lambda messages: template.render(
-        messages=messages, add_generation_prompt=False, **specials
+    return lambda messages, add_generation_prompt=False: template.render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **specials
     )
 
 
-def record_text(record: Any, chat=None) -> str:
-    """One JSONL record as training text. Accepted: {"text"}, {"messages": [{"role",
-    "content"}]} (through the checkpoint's chat template when it has one), Alpaca
-    {"instruction", "input"?, "output"} and {"prompt", "completion"|"response"}."""
+def chat_template(tokenizer_json: Path | None):
+    """render(messages, add_generation_prompt) for a run's tokenizer: the checkpoint's own
+    template, else ChatML."""
+    return _chat_template(tokenizer_json) or chatml
+
+
+def chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+# A record as (text, learn) pieces: the model is trained to write the pieces with learn
+# True (an assistant's turns, a completion, an output) and only reads the others.
+Pieces = list[tuple[str, bool]]
+
+
+def _chat_pieces(messages: list[dict], render) -> Pieces:
+    """Each assistant turn is what the template adds between the conversation so far with
+    the generation prompt and the conversation including that turn: its content and the
+    end-of-turn marker the model must learn to write. A template that does not render a
+    turn as such a suffix (one that rewrites earlier turns) falls back to the content."""
+    full = render(messages)
+    pieces: Pieces = []
+    at = 0
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        try:
+            before = render(messages[:k], add_generation_prompt=True)
+            upto = render(messages[: k + 1])
+        except Exception:  # a template that refuses a partial conversation
+            before = upto = ""
+        if at <= len(before) and upto.startswith(before) and full.startswith(upto) and upto:
+            begin, end = len(before), len(upto)
+        else:
+            begin = full.find(m["content"], at)
+            if begin < 0:
+                raise ValueError(
+                    f"has an assistant turn ({k + 1}) the chat template does not render "
+                    "verbatim; fix the template or the record"
+                )
+            end = begin + len(m["content"])
+        pieces += [(full[at:begin], False), (full[begin:end], True)]
+        at = end
+    pieces.append((full[at:], False))
+    return [p for p in pieces if p[0]]
+
+
+def record_pieces(record: Any, chat=None) -> Pieces:
+    """One JSONL record as training text, in pieces. Accepted: {"text"} (all learned),
+    {"messages": [{"role", "content"}]} (through the checkpoint's chat template when it has
+    one, ChatML otherwise; the assistant turns learned), Alpaca {"instruction", "input"?,
+    "output"} and {"prompt", "completion"|"response"} (the output or completion learned)."""
     if not isinstance(record, dict):
         raise ValueError("is not a JSON object")
     if isinstance(record.get("text"), str):
-        return record["text"]
+        return [(record["text"], True)]
     messages = record.get("messages")
     if isinstance(messages, list):
         ok = all(
@@ -141,19 +193,16 @@ def record_text(record: Any, chat=None) -> str:
         )
         if not ok or not messages:
             raise ValueError('has "messages" that are not a list of {"role", "content"} strings')
-        if chat is not None:
-            return chat(messages)
-        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return _chat_pieces(messages, chat or chatml)
     if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
         extra = record.get("input")
-        parts = [f"### Instruction:\n{record['instruction']}\n\n"]
+        prompt = f"### Instruction:\n{record['instruction']}\n\n"
         if isinstance(extra, str) and extra:
-            parts.append(f"### Input:\n{extra}\n\n")
-        parts.append(f"### Response:\n{record['output']}")
-        return "".join(parts)
+            prompt += f"### Input:\n{extra}\n\n"
+        return [(prompt + "### Response:\n", False), (record["output"], True)]
     answer = record.get("completion", record.get("response"))
     if isinstance(record.get("prompt"), str) and isinstance(answer, str):
-        return record["prompt"] + answer
+        return [(record["prompt"], False), (answer, True)]
     keys = ", ".join(sorted(map(str, record))) or "none"
     raise ValueError(
         f'has no "text", "messages", "instruction"/"output" or "prompt"/"completion" '
@@ -161,9 +210,15 @@ def record_text(record: Any, chat=None) -> str:
     )
 
 
-def jsonl_chunks(path: Path, tok) -> Iterator:
-    """Token arrays for the records of one JSONL file, each followed by the tokenizer's
-    end-of-text token (or a blank line where there is none)."""
+def record_text(record: Any, chat=None) -> str:
+    """One JSONL record as training text (see record_pieces)."""
+    return "".join(text for text, _ in record_pieces(record, chat))
+
+
+def jsonl_chunks(path: Path, tok, learn_prompts: bool = False) -> Iterator:
+    """(token ids, learn flags) for the records of one JSONL file, each record followed by
+    the tokenizer's end-of-text token (or a blank line where there is none), which is
+    learned: the model learns where an answer stops. `learn_prompts`: learn every token."""
     import numpy as np
 
     tokenizer_json = (
@@ -179,18 +234,19 @@ def jsonl_chunks(path: Path, tok) -> Iterator:
             if not line.strip():
                 continue
             try:
-                text = record_text(json.loads(line), chat)
+                pieces = record_pieces(json.loads(line), chat)
             except json.JSONDecodeError as e:
                 raise DataError(
                     f"{path}:{lineno} is not valid JSON ({e.msg}); fix the line"
                 ) from None
             except ValueError as e:
                 raise DataError(f"{path}:{lineno} {e}") from None
+            if learn_prompts:
+                pieces = [(text, True) for text, _ in pieces]
             if eos is None:
-                yield tok.encode((text + "\n\n").encode("utf-8"), path)
-                continue
-            ids = tok.encode(text.encode("utf-8"), path)
-            if eos_text and text.endswith(eos_text):
-                yield ids
-            else:
-                yield np.concatenate([ids, np.asarray([eos], dtype=ids.dtype)])
+                pieces.append(("\n\n", True))
+            ids, learn = tok.encode_pieces(pieces, path)
+            if eos is not None and not (eos_text and pieces and pieces[-1][0].endswith(eos_text)):
+                ids = np.concatenate([ids, np.asarray([eos], dtype=ids.dtype)])
+                learn = np.concatenate([learn, np.ones(1, dtype=learn.dtype)])
+            yield ids, learn

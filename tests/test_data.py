@@ -385,14 +385,14 @@ def test_files_are_read_in_blocks_cut_before_a_word(tmp_path: Path) -> None:
     parts = list(file_blocks(dense, size=1001))
     assert b"".join(parts) == dense.read_bytes()
     assert all(p.decode("utf-8") for p in parts)  # every block decodes on its own
-    import atom.data as data
+    import atom.tokenize as tokenize
 
-    small = data.BLOCK_BYTES
+    small = tokenize.BLOCK_BYTES
     try:
-        data.BLOCK_BYTES = 1000
+        tokenize.BLOCK_BYTES = 1000
         prepare([src], tmp_path / "ds", progress=False)
     finally:
-        data.BLOCK_BYTES = small
+        tokenize.BLOCK_BYTES = small
     ids = np.concatenate(
         [read_split(tmp_path / "ds", n, "uint8") for n in ("train.bin", "val.bin")]
     )

@@ -12,6 +12,7 @@ about one copy of the model, unsupported variants are refused with one line, JSO
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from atom.model.documents import Documents, positions_in_documents
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -178,6 +181,12 @@ TRAIN = [
 ]
 
 
+def each_document(model, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A packed row's logits, each document run through `model` alone."""
+    cuts = [*(positions == 0).nonzero().flatten().tolist(), len(x)]
+    return torch.cat([model(x[None, a:b]).logits[0] for a, b in itertools.pairwise(cuts)])
+
+
 @pytest.mark.parametrize(
     "family,dtype",
     [
@@ -200,13 +209,24 @@ def test_load_train_export_roundtrip(tmp_path, tok_dir, hf_data, family, dtype, 
         ours = atom_model(cfg, HFSource(src).getter(cfg.model))(x)[0]
         theirs = reference(x).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+    # and three documents packed in a row read as each alone
+    starts = torch.zeros(1, 32, dtype=torch.bool)
+    starts[0, [0, 9, 20]] = True
+    pos = positions_in_documents(starts)
+    with torch.no_grad():
+        ours = atom_model(cfg, HFSource(src).getter(cfg.model))(x[:1], docs=Documents(pos))[0]
+        theirs = each_document(reference, x[0], pos[0])[None]
+    assert (ours - theirs).abs().max().item() <= 1e-4
 
     # 2. three swapped steps; the first loss is transformers' loss on the same batch
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
     assert type(trainer.engine).__name__ == "SwapEngine"
-    bx, by = TokenData(hf_data, 32, cfg.train.seed).train_batch(0, 0, cfg.train.micro_batch)
+    # (the records make a dataset of documents: transformers reads each one on its own, and
+    # the targets not to learn are -100, cross_entropy's ignore_index)
+    bx, by, pos = TokenData(hf_data, 32, cfg.train.seed).train_batch(0, 0, cfg.train.micro_batch)
+    assert (by == -100).any()  # the prompts are not learned
     with torch.no_grad():
-        logits = reference(bx).logits
+        logits = torch.stack([each_document(reference, x, p) for x, p in zip(bx, pos, strict=True)])
         want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), by.reshape(-1))
     summary = trainer.run()
     assert summary.steps == 3
