@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--no-cache", action="store_true", help="re-run the whole context for every token"
     )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message: laid out with the run's chat template (the "
+        "checkpoint's, ChatML otherwise); prints the assistant's reply",
+    )
+    g.add_argument("--system", help="with --chat: a system message first")
 
     ex = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
     ex.add_argument("run", help="run directory or checkpoint directory")
@@ -437,16 +444,19 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")
     if args.temperature < 0 or args.top_k < 0:
         raise ConfigError("--temperature and --top-k must be >= 0 (0: greedy / no top-k cut)")
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system is a chat's system message; add --chat")
 
     out = generate(
         Path(args.run), args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
-        use_cache=not args.no_cache,
+        use_cache=not args.no_cache, chat=args.chat, system=args.system,
     )  # fmt: skip
-    print(out.text)
+    print(out.reply if args.chat else out.text)
+    end = "the end of the turn" if args.chat else "the end-of-text token"
     print(
         f"atom: {out.tokens} tokens in {out.seconds:.2f} s ({out.tokens_per_s:,.0f} tokens/s, "
         f"KV cache {'off' if args.no_cache else 'on'})"
-        + ("; stopped at the end-of-text token" if out.stopped_at_eos else ""),
+        + (f"; stopped at {end}" if out.stopped_at_eos else ""),
         file=sys.stderr,
     )
     return 0

@@ -5,6 +5,10 @@ token's forward; without it every token re-runs the whole context. Past the mode
 context (seq_len) both see the last seq_len tokens, so the two give the same text (the
 cache then restarts from the last seq_len tokens each step). Generation stops at the
 tokenizer's end-of-text token when it has one.
+
+`chat`: the prompt is a user's message, laid out by the run's chat template (the
+checkpoint's own, ChatML otherwise: the layout `atom prepare` trained on) with the
+generation prompt, and the reply stops where the template ends an assistant turn too.
 """
 
 from __future__ import annotations
@@ -19,18 +23,33 @@ from atom.checkpoint import CheckpointError, load_checkpoint
 from atom.config import Config
 from atom.model import build_model, materialize
 from atom.model.kv_cache import KVCache
+from atom.text import chat_template
 
 
 @dataclass
 class Generated:
-    text: str
+    text: str  # the prompt (as the model read it) and what followed
     tokens: int  # generated (the end-of-text token, when reached, not counted)
     seconds: float
-    stopped_at_eos: bool
+    stopped_at_eos: bool  # or at the end of the assistant's turn (chat)
+    reply: str = ""  # what the model wrote, without the prompt or the end marker
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
+
+
+def _tokenizer_json(spec: str) -> Path | None:
+    return Path(spec.split(":", 1)[1]) if spec.startswith("tokenizers:") else None
+
+
+def end_of_turn(render) -> str:
+    """What a chat template writes after an assistant's words to end the turn (ChatML's
+    <|im_end|>, Llama 3's <|eot_id|>), found by rendering a short conversation."""
+    marker = "\x00reply\x00"
+    text = render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+    after = text.split(marker, 1)[1] if marker in text else ""
+    return after.strip()
 
 
 def _codec(spec: str):
@@ -40,7 +59,7 @@ def _codec(spec: str):
 
         from atom.text import eos_token_id
 
-        path = Path(spec.split(":", 1)[1])
+        path = _tokenizer_json(spec)
         tok = Tokenizer.from_file(str(path))
         return (lambda s: tok.encode(s).ids), (lambda ids: tok.decode(ids)), eos_token_id(path, tok)
     return (lambda s: list(s.encode())), (lambda ids: bytes(ids).decode(errors="replace")), None
@@ -64,6 +83,8 @@ def generate(
     top_k: int = 50,
     seed: int = 0,
     use_cache: bool = True,
+    chat: bool = False,
+    system: str | None = None,
 ) -> Generated:
     ckpt = load_checkpoint(run)
     cfg = Config.from_dict(ckpt.meta["config"])
@@ -74,9 +95,17 @@ def generate(
         raise CheckpointError(f"checkpoint {ckpt.path} lacks {missing[0]}; it is not a model")
     for name, p in params.items():
         p.copy_(ckpt.get(name))
-    encode, decode, eos = _codec(ckpt.meta.get("data", {}).get("tokenizer", "byte"))
+    spec = ckpt.meta.get("data", {}).get("tokenizer", "byte")
+    encode, decode, eos = _codec(spec)
+    stop = None
+    if chat:
+        render = chat_template(_tokenizer_json(spec))
+        messages = [{"role": "system", "content": system}] if system else []
+        prompt = render([*messages, {"role": "user", "content": prompt}], True)
+        stop = end_of_turn(render) or None
     gen = torch.Generator().manual_seed(seed)
     idx = torch.tensor([encode(prompt) or [0]], dtype=torch.long)
+    n_prompt = idx.size(1)
     cache = KVCache(cfg.model.n_layer) if use_cache else None
     started, made, stopped = time.perf_counter(), 0, False
     for _ in range(n_tokens):
@@ -90,4 +119,11 @@ def generate(
             break
         idx = torch.cat([idx, nxt], dim=1)
         made += 1
-    return Generated(decode(idx[0].tolist()), made, time.perf_counter() - started, stopped)
+        if stop is not None and stop in decode(idx[0, n_prompt:].tolist()):
+            stopped = True
+            break
+    seconds = time.perf_counter() - started
+    reply = decode(idx[0, n_prompt:].tolist())
+    if stop is not None:
+        reply = reply.split(stop, 1)[0]
+    return Generated(decode(idx[0].tolist()), made, seconds, stopped, reply)

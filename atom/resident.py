@@ -103,14 +103,15 @@ class ResidentEngine:
         return lm_loss(self.model.head(h), y)
 
     @torch.no_grad()
-    def evaluate(self, batches) -> float:
+    def evaluate(self, batches, weights: list[float] | None = None) -> float:
+        weights = weights or [1.0] * len(batches)
         total = 0.0
-        for batch in batches:
+        for batch, weight in zip(batches, weights, strict=True):
             x, y, docs = micro_batch(batch, self.device)
             with self._autocast():
                 _, loss = self.model(x, y, docs=docs)
-            total += float(loss)
-        return total / len(batches)
+            total += float(loss) * weight
+        return total / sum(weights)
 
     def wait_idle(self) -> None:
         pass

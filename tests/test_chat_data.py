@@ -212,7 +212,7 @@ def test_plain_text_over_records_drops_the_old_flags(tmp_path):
     assert len(TokenData(tmp_path / "d", seq_len=16, seed=0).train_batch(0, 0, 2)) == 2
 
 
-def test_training_on_chat_records_runs_swapped(tmp_path):
+def test_training_on_chat_records_runs_swapped(tmp_path, capsys):
     prepare([_write(tmp_path / "r.jsonl", RECORDS, times=40)], tmp_path / "d", progress=False)
     out = tmp_path / "run"
     args = ["train", "--out", str(out), "--set", f"train.data={tmp_path / 'd'}",
@@ -224,3 +224,60 @@ def test_training_on_chat_records_runs_swapped(tmp_path):
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 4 and all(np.isfinite(losses))
     assert any("val_loss" in r and np.isfinite(r["val_loss"]) for r in rows)
+    # and the run answers in the layout it was trained on
+    chat = ["generate", str(out), "--chat", "--prompt", "Name a colour.", "--tokens", "8"]
+    assert main(chat) == 0
+
+
+def test_the_readme_example_file_prepares(tmp_path):
+    example = Path(__file__).parents[1] / "docs" / "examples" / "chat.jsonl"
+    meta = prepare([example], tmp_path / "d", progress=False)
+    ids, flags = _all(tmp_path / "d")
+    learned = b"".join(_learned(ids, flags))
+    assert meta.documents and np.count_nonzero(flags & START) == 5
+    assert b"Only the units it is computing" in learned and b"What does atom" not in learned
+
+
+def test_eval_of_records_scores_only_the_answers_as_plain_pytorch_does(tmp_path):
+    """`atom eval RUN --data FILE.jsonl`: windows of the records' tokens, only learned
+    targets scored and each document read alone; the token-weighted mean equals the
+    model's loss over the same windows in one plain-PyTorch call."""
+    import math
+
+    from atom.checkpoint import load_checkpoint
+    from atom.config import Config
+    from atom.evaluate import evaluate_run
+    from atom.model import build_model, materialize
+    from atom.model.documents import Documents
+
+    prepare([_write(tmp_path / "r.jsonl", RECORDS, times=40)], tmp_path / "d", progress=False)
+    out = tmp_path / "run"
+    args = ["train", "--out", str(out), "--set", f"train.data={tmp_path / 'd'}",
+            "--set", "model.seq_len=32", "--set", "train.max_steps=2",
+            "--set", "train.eval_interval=0", "--set", "train.device=cpu",
+            "--set", "train.dtype=fp32", "--no-progress"]  # fmt: skip
+    assert main(args) == 0
+    held = _write(tmp_path / "held.jsonl", RECORDS, times=3)
+    r = evaluate_run(out, held, batch=3)
+
+    prepare([held], tmp_path / "h", val_fraction=0.5, progress=False)
+    ids, flags = _all(tmp_path / "h")
+    ckpt = load_checkpoint(out)
+    cfg = Config.from_dict(ckpt.meta["config"])
+    model = materialize(build_model(cfg.model), seed=0)
+    T, n = 32, (len(ids) - 1) // 32
+    tokens = torch.tensor(list(ids[: n * T + 1]))
+    pos = torch.zeros(n, T, dtype=torch.long)
+    y = tokens[1:].view(n, T).clone()
+    for w in range(n):
+        for t in range(T):
+            i = w * T + t
+            pos[w, t] = 0 if t == 0 or flags[i] & START else pos[w, t - 1] + 1
+            if not flags[i + 1] & LEARN or flags[i + 1] & START:
+                y[w, t] = IGNORE
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(ckpt.get(name))
+        _, want = model(tokens[:-1].view(n, T), y, docs=Documents(pos))
+    assert r.tokens == int((y != IGNORE).sum()) < n * T
+    assert math.isclose(r.loss, float(want), rel_tol=1e-5)

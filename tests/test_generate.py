@@ -82,3 +82,54 @@ def test_generating_does_not_grow_the_rope_table_cache(tmp_path):
     before = len(llama._ROPE_CACHE)
     generate(run, "the ", 60, seed=1)  # within and past the 16-token context
     assert len(llama._ROPE_CACHE) <= before + 1
+
+
+def test_end_of_turn_markers():
+    from atom.generate import end_of_turn
+    from atom.text import chatml
+
+    assert end_of_turn(chatml) == "<|im_end|>"
+
+    def llama3(messages, add_generation_prompt=False):
+        body = "".join(
+            f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content']}<|eot_id|>"
+            for m in messages
+        )
+        return "<|begin_of_text|>" + body
+
+    assert end_of_turn(llama3) == "<|eot_id|>"
+
+
+def test_chat_lays_out_the_prompt_and_stops_at_the_end_of_the_turn(tmp_path, monkeypatch):
+    """A scripted model writes "Blue.<|im_end|>\\nmore": the reply is "Blue.", generation
+    stops at the marker, and the model read the ChatML prompt with the system message."""
+    import atom.generate as gen
+
+    run = _run_dir(tmp_path, {})
+    script = list(b"Blue.<|im_end|>\nmore")
+    seen = []
+
+    def scripted(model, idx, T, cache):
+        seen.append(idx[0].tolist())
+        logits = torch.full((1, 256), -1e9)
+        logits[0, script[len(seen) - 1]] = 0.0
+        return logits
+
+    monkeypatch.setattr(gen, "_next_logits", scripted)
+    out = gen.generate(run, "Name a colour.", 50, chat=True, system="Be terse.")
+    prompt = (
+        "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert bytes(seen[0]).decode() == prompt
+    assert out.reply == "Blue." and out.stopped_at_eos
+    assert out.tokens == len("Blue.<|im_end|>")
+    assert out.text == prompt + "Blue.<|im_end|>"
+
+
+def test_system_without_chat_is_one_line(tmp_path, capsys):
+    from atom.cli import main
+
+    run = _run_dir(tmp_path, {})
+    assert main(["generate", str(run), "--system", "x"]) == 2
+    assert "add --chat" in capsys.readouterr().err

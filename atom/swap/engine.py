@@ -495,8 +495,10 @@ class SwapEngine:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss over batches, unit-major: each unit is loaded once for all of them."""
+    def evaluate(self, batches: list[tuple], weights: list[float] | None = None) -> float:
+        """Mean loss over batches (weighted: by each one's learned tokens, say), unit-major:
+        each unit is loaded once for all of them."""
+        weights = weights or [1.0] * len(batches)
         N = len(self.units)
         key = ("eval", len(batches))
         if key not in self._plans:
@@ -517,11 +519,11 @@ class SwapEngine:
                     h[b] = run_unit(self.units[u], flat, h[b], docs=docs[b])
                 else:
                     loss = run_unit(self.units[u], flat, h.pop(b), targets.pop(b), docs.pop(b))
-                    total += loss.float()
+                    total += loss.float() * weights[b]
                 self._advance(plan, pos, u)
         finally:
             self.slots.release_all()
-        return float(total) / len(batches)
+        return float(total) / sum(weights)
 
     # ------------------------------------------------------------------ state
     def wait_idle(self) -> None:
