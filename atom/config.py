@@ -41,12 +41,18 @@ class ModelConfig:
     # llama only: RoPE frequency scaling, as Hugging Face's rope_scaling/rope_parameters:
     # "default" (none), "linear" (every frequency / rope_factor: positions stretched), or
     # "llama3" (Llama 3.1+: low frequencies / rope_factor, high ones kept, a smooth ramp
-    # between, from rope_low_freq_factor, rope_high_freq_factor and the original context)
+    # between, from rope_low_freq_factor, rope_high_freq_factor and the original context),
+    # or "yarn" (YaRN, Qwen2.5's long context: frequencies blended between kept and
+    # divided over a ramp set by rope_beta_fast/slow, cos/sin scaled by the attention factor)
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None  # yarn; None: 0.1 ln(rope_factor) + 1
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
     # llama only: each token attends to the last `sliding_window` positions (itself
     # included), as Mistral (and Qwen2 with every layer sliding) do; None: full causal
     sliding_window: int | None = None
@@ -75,10 +81,15 @@ class ModelConfig:
             raise ValueError(f"model.gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.sliding_window is not None and (self.sliding_window < 1 or self.arch != "llama"):
             raise ValueError("model.sliding_window must be >= 1, and applies to arch llama")
-        if self.rope_type not in ("default", "linear", "llama3"):
+        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(
-                f"model.rope_type must be default|linear|llama3, got {self.rope_type!r}"
+                f"model.rope_type must be default|linear|llama3|yarn, got {self.rope_type!r}"
             )
+        if self.rope_type == "yarn" and not (
+            self.rope_beta_fast > 0 and self.rope_beta_slow > 0
+            and (self.rope_attention_factor is None or self.rope_attention_factor > 0)
+        ):  # fmt: skip
+            raise ValueError("yarn RoPE needs rope_beta_fast, rope_beta_slow, attention factor > 0")
         if self.rope_type != "default" and self.arch != "llama":
             raise ValueError("model.rope_type applies to arch llama (gpt has learned positions)")
         if self.rope_factor < 1 or self.rope_original_max_position < 1:

@@ -101,7 +101,9 @@ def test_rope_scaling_is_validated():
 
     llama = {"arch": "llama"}
     with pytest.raises(ConfigError, match="rope_type must be"):
-        tiny_config(model={**llama, "rope_type": "yarn"})
+        tiny_config(model={**llama, "rope_type": "dynamic"})
+    with pytest.raises(ConfigError, match="yarn RoPE needs"):
+        tiny_config(model={**llama, "rope_type": "yarn", "rope_beta_slow": 0.0})
     with pytest.raises(ConfigError, match="applies to arch llama"):
         tiny_config(model={"rope_type": "linear", "rope_factor": 2.0})
     with pytest.raises(ConfigError, match="rope_low_freq_factor < rope_high_freq_factor"):

@@ -19,8 +19,10 @@ from tests.conftest import tiny_config
     "model",
     [{}, {"arch": "llama"}, {"arch": "llama", "sliding_window": 8},
      {"arch": "llama", "rope_type": "llama3", "rope_factor": 4.0,
+      "rope_original_max_position": 8},
+     {"arch": "llama", "rope_type": "yarn", "rope_factor": 4.0,
       "rope_original_max_position": 8}],
-    ids=["gpt", "llama", "llama-window", "llama3-rope"],
+    ids=["gpt", "llama", "llama-window", "llama3-rope", "yarn-rope"],
 )  # fmt: skip
 def test_cached_logits_equal_a_full_forward(model):
     """Prompt then one token at a time through the cache: each step's logits are those of

@@ -360,9 +360,9 @@ def edit_config(path: Path, **changes) -> Path:
         ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [], "rope_scaling"),
         (
             "llama",
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}},
             [],
-            "'yarn' is not supported",
+            "'longrope' is not supported",
         ),
         (
             "llama",
@@ -513,8 +513,14 @@ def test_fine_tuning_on_another_tokenizers_data_is_refused(tmp_path):
         # (kept, ramped, divided) occur in a 64-dim head
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 16},
+        # Qwen2.5's long-context YaRN, its ramp inside a 16-dim head; and with DeepSeek's
+        # mscale pair and untruncated ramp ends
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+         "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 0.9, "mscale_all_dim": 0.5,
+         "truncate": False},
     ],
-    ids=["linear", "llama3"],
+    ids=["linear", "llama3", "yarn", "yarn-mscale"],
 )  # fmt: skip
 def test_scaled_rope_checkpoints_give_transformers_logits(tmp_path, tok_dir, hf_data, scaling):
     """Llama 3.x (rope type llama3) and linearly scaled RoPE load, and give transformers'
@@ -535,7 +541,10 @@ def test_scaled_rope_checkpoints_give_transformers_logits(tmp_path, tok_dir, hf_
     from atom.hf.export import _fresh_config
 
     written = _fresh_config(cfg.model, "llama", "fp32")  # a model trained from scratch
-    assert {k: written["rope_scaling"][k] for k in scaling} == scaling
+    folded = ("mscale", "mscale_all_dim")  # yarn: written as the attention factor they give
+    assert {k: written["rope_scaling"][k] for k in scaling if k not in folded} == {
+        k: v for k, v in scaling.items() if k not in folded
+    }
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])

@@ -89,6 +89,15 @@ def _rope_scaling(mc: ModelConfig) -> dict[str, Any]:
             high_freq_factor=mc.rope_high_freq_factor,
             original_max_position_embeddings=mc.rope_original_max_position,
         )
+    if mc.rope_type == "yarn":
+        scaling.update(
+            original_max_position_embeddings=mc.rope_original_max_position,
+            beta_fast=mc.rope_beta_fast,
+            beta_slow=mc.rope_beta_slow,
+            truncate=mc.rope_truncate,
+        )
+        if mc.rope_attention_factor is not None:
+            scaling["attention_factor"] = mc.rope_attention_factor
     return {"rope_scaling": scaling}
 
 

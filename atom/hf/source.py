@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Callable
@@ -139,6 +140,27 @@ def _strip_prefix(spec: str) -> str:
     return spec[len(PREFIX) :] if spec.startswith(PREFIX) else spec
 
 
+def _yarn(value: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's fields, with transformers' defaults (the original context from
+    max_position_embeddings, betas 32 and 1, DeepSeek's mscale pair folded into the
+    attention factor)."""
+    original = value.get("original_max_position_embeddings") or c["max_position_embeddings"]
+    factor = float(value["factor"])
+    attention = value.get("attention_factor")
+    mscale, mscale_all = value.get("mscale"), value.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all and factor > 1:
+        attention = (0.1 * mscale * math.log(factor) + 1) / (
+            0.1 * mscale_all * math.log(factor) + 1
+        )
+    return {
+        "rope_original_max_position": int(original),
+        "rope_beta_fast": float(value.get("beta_fast") or 32),
+        "rope_beta_slow": float(value.get("beta_slow") or 1),
+        "rope_attention_factor": None if attention is None else float(attention),
+        "rope_truncate": bool(value.get("truncate", True)),
+    }
+
+
 def _rope(c: dict[str, Any], where: str) -> dict[str, Any]:
     """The model section's RoPE fields: rope_theta, and the frequency scaling if any (plain,
     "linear", or Llama 3.1's "llama3"); the other scalings are refused in one line."""
@@ -153,10 +175,10 @@ def _rope(c: dict[str, Any], where: str) -> dict[str, Any]:
                 f"{where}: {key}={value!r} is not supported; atom needs one RoPE for all layers"
             )
         kind = value.get("rope_type", value.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
+        if kind not in ("default", "linear", "llama3", "yarn"):
             raise ConfigError(
-                f"{where}: {key} type {kind!r} is not supported (atom implements plain, linear "
-                f"and llama3 RoPE); use a checkpoint without {key}"
+                f"{where}: {key} type {kind!r} is not supported (atom implements plain, linear, "
+                f"llama3 and yarn RoPE); use a checkpoint without {key}"
             )
         if value.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError(f"{where}: {key}.partial_rotary_factor is not supported")
@@ -171,6 +193,8 @@ def _rope(c: dict[str, Any], where: str) -> dict[str, Any]:
                     rope_high_freq_factor=float(value["high_freq_factor"]),
                     rope_original_max_position=int(value["original_max_position_embeddings"]),
                 )
+            if kind == "yarn":
+                out.update(_yarn(value, c))
         except KeyError as err:
             raise ConfigError(f"{where}: {key} ({kind}) lacks {err}") from None
         except (TypeError, ValueError):

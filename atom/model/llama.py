@@ -17,9 +17,25 @@ _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def inv_frequencies(dim: int, theta: float, scaling: tuple = ("default",), device=None):
     """RoPE's inverse frequencies, with Hugging Face's frequency scalings: `scaling` is
-    ("default",), ("linear", factor) or ("llama3", factor, low, high, original_context)."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    ("default",), ("linear", factor), ("llama3", factor, low, high, original_context) or
+    ("yarn", factor, original_context, beta_fast, beta_slow, attention_factor, truncate)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    inv = 1.0 / pos_freqs
     kind = scaling[0]
+    if kind == "yarn":  # YaRN (arXiv 2309.00071), as transformers computes it
+        factor, context, beta_fast, beta_slow, _, truncate = scaling[1:]
+
+        def dimension(rotations: float) -> float:  # where a frequency turns that many times
+            return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dimension(beta_fast), dimension(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        high = high + 0.001 if low == high else high
+        i = torch.arange(dim // 2, device=device, dtype=torch.float32)
+        keep = 1 - ((i - low) / (high - low)).clamp(0, 1)  # 1: high frequencies, kept
+        return (1.0 / (factor * pos_freqs)) * (1 - keep) + inv * keep
     if kind == "linear":
         return inv / scaling[1]
     if kind == "llama3":  # Llama 3.1: scale the long wavelengths, keep the short, ramp between
@@ -33,9 +49,19 @@ def inv_frequencies(dim: int, theta: float, scaling: tuple = ("default",), devic
     return inv
 
 
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """YaRN's cos/sin scale: the stated one, else 0.1 ln(factor) + 1 (the paper's)."""
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    return 0.1 * math.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0
+
+
 def rope_scaling(cfg: ModelConfig) -> tuple:
     if cfg.rope_type == "linear":
         return ("linear", cfg.rope_factor)
+    if cfg.rope_type == "yarn":
+        return ("yarn", cfg.rope_factor, cfg.rope_original_max_position, cfg.rope_beta_fast,
+                cfg.rope_beta_slow, yarn_attention_factor(cfg), cfg.rope_truncate)  # fmt: skip
     if cfg.rope_type == "llama3":
         return ("llama3", cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                 cfg.rope_original_max_position)  # fmt: skip
@@ -51,7 +77,8 @@ def rope_tables(
     if key not in _ROPE_CACHE:
         inv = inv_frequencies(dim, theta, scaling, device)
         freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv)
-        _ROPE_CACHE[key] = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+        scale = scaling[5] if scaling[0] == "yarn" else 1.0  # YaRN's attention factor
+        _ROPE_CACHE[key] = ((freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype))
     return _ROPE_CACHE[key]
 
 
