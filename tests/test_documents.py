@@ -67,6 +67,33 @@ def test_each_packed_document_reads_as_if_alone(model):
     assert not torch.allclose(mixed[7:19], packed[7:19], atol=1e-3)
 
 
+@pytest.mark.parametrize(
+    "model",
+    [{"arch": "gpt"}, {"arch": "llama", "n_kv_head": 2, "sliding_window": 11}],
+    ids=["gpt", "llama-gqa-window"],
+)
+def test_chunked_attention_equals_the_whole_mask(model, monkeypatch):
+    """Queries in chunks of 8, each against the keys from its earliest document start:
+    the same logits as one masked call over the whole square, and later chunks skip the
+    keys no query of theirs may see."""
+    import atom.model.documents as documents
+
+    net = _model(**model)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 256, (2, 32), generator=g)
+    starts = torch.rand(2, 32, generator=g) < 0.2
+    docs_whole = Documents(positions_in_documents(starts))
+    with torch.no_grad():
+        whole = net(x, docs=docs_whole)[0]
+        monkeypatch.setattr(documents, "QUERY_CHUNK", 8)
+        docs = Documents(positions_in_documents(starts))
+        chunked = net(x, docs=docs)[0]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    blocks = docs.blocks()
+    assert len(blocks) == 4 and any(lo > 0 for _, _, lo, _ in blocks)
+    torch.testing.assert_close(docs.mask(), docs_whole.mask())
+
+
 def test_one_document_per_row_is_plain_causal():
     net = _model(arch="llama", sliding_window=6)
     x = torch.randint(0, 256, (2, 32))
@@ -113,7 +140,10 @@ def _document_batches(step: int, cfg):
 @pytest.mark.parametrize(
     "arch,ckpt,order,accum", [("gpt", True, "unit", 2), ("llama", False, "micro", 2)]
 )
-def test_swapped_packed_training_equals_plain_pytorch(arch, ckpt, order, accum):
+def test_swapped_packed_training_equals_plain_pytorch(arch, ckpt, order, accum, monkeypatch):
+    import atom.model.documents as documents
+
+    monkeypatch.setattr(documents, "QUERY_CHUNK", 8)  # several chunks per row
     cfg = tiny_config(
         model={"arch": arch},
         train={"grad_accum": accum},

@@ -14,37 +14,76 @@ Training and evaluation on such data pass a `Documents` through the blocks; plai
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE = -100  # a target that carries no loss (F.cross_entropy's default ignore_index)
+QUERY_CHUNK = 256  # queries per attention call over packed documents
 
 
 class Documents:
-    """Positions within each row's documents, and the attention mask they imply (built
-    once per window size and reused by every layer of the micro-batch)."""
+    """Positions within each row's documents, and attention that keeps them apart.
 
-    def __init__(self, positions: torch.Tensor) -> None:
+    Attention runs in chunks of QUERY_CHUNK queries, each against the keys from the
+    earliest document start any of its queries needs (within the window when there is
+    one) up to itself: with short documents most of the T x T square is never computed
+    (a masked SDPA cannot skip it), so packing costs about T x (chunk + document) scores
+    instead of T x T. The chunk ranges come from the positions on the host (`on` builds
+    them before the positions cross to the device: no sync)."""
+
+    def __init__(self, positions: torch.Tensor, host: torch.Tensor | None = None) -> None:
         if positions.dim() != 2:
             raise ValueError(f"positions must be (batch, time), got shape {tuple(positions.shape)}")
         self.positions = positions.long()
-        self._masks: dict[int | None, torch.Tensor] = {}
+        host = (positions if host is None else host).cpu().long()
+        # the first key any row's query i may need: where its document starts
+        self._first_key = (torch.arange(host.size(1)) - host).min(dim=0).values.tolist()
+        self._blocks: dict[int | None, list] = {}
 
-    def to(self, device, non_blocking: bool = False) -> Documents:
-        return Documents(self.positions.to(device, non_blocking=non_blocking))
+    @classmethod
+    def on(cls, positions: torch.Tensor, device, non_blocking: bool = False) -> Documents:
+        """From host positions, moved to `device`."""
+        return cls(positions.to(device, non_blocking=non_blocking), host=positions)
 
-    def mask(self, window: int | None = None) -> torch.Tensor:
-        """(B, 1, T, T) bool, True where query i may attend key j: j <= i, same document,
-        and i - j < window when there is one (the sliding-window rule)."""
-        if window not in self._masks:
+    def blocks(self, window: int | None = None) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(first query, end, first key, (B, 1, queries, keys) bool mask) per chunk: True
+        where query i may attend key j (j <= i, same document, i - j < window)."""
+        if window not in self._blocks:
             pos = self.positions
             T = pos.size(1)
-            i = torch.arange(T, device=pos.device)
-            gap = i[:, None] - i[None, :]  # (T, T): i - j
-            allowed = (pos[:, :, None] - pos[:, None, :]) == gap  # same document (where j <= i)
-            allowed &= gap >= 0
-            if window is not None:
-                allowed &= gap < window
-            self._masks[window] = allowed[:, None]
-        return self._masks[window]
+            out = []
+            for a in range(0, T, QUERY_CHUNK):
+                b = min(a + QUERY_CHUNK, T)
+                lo = self._first_key[a]
+                if window is not None:
+                    lo = max(lo, a - window + 1)
+                i = torch.arange(a, b, device=pos.device)[:, None]
+                j = torch.arange(lo, b, device=pos.device)[None, :]
+                gap = i - j
+                same = (pos[:, a:b, None] - pos[:, None, lo:b]) == gap  # same document
+                allowed = same & (gap >= 0)
+                if window is not None:
+                    allowed &= gap < window
+                out.append((a, b, lo, allowed[:, None]))
+            self._blocks[window] = out
+        return self._blocks[window]
+
+    def attend(self, q, k, v, window: int | None = None, enable_gqa: bool = False):
+        """SDPA of (B, heads, T, hs) queries over their own documents' keys and values."""
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], attn_mask=mask, enable_gqa=enable_gqa
+            )
+            for a, b, lo, mask in self.blocks(window)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """The whole (B, 1, T, T) mask the blocks cut from (tests, inspection)."""
+        B, T = self.positions.shape
+        full = torch.zeros(B, 1, T, T, dtype=torch.bool, device=self.positions.device)
+        for a, b, lo, m in self.blocks(window):
+            full[:, :, a:b, lo:b] = m
+        return full
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
         """Rows of a (T, d) per-position table for every token: (B, 1, T, d), broadcasting

@@ -43,7 +43,7 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, attn_mask=attention_mask(start, T, None, x.device)
             )
         elif docs is not None:  # packed documents: each sees only itself
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask())
+            y = docs.attend(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))

@@ -144,8 +144,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv != self.n_head
         if docs is not None:  # and sees only itself (within the window when there is one)
-            mask = docs.mask(self.window if self.window is not None and self.window < T else None)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            window = self.window if self.window is not None and self.window < T else None
+            y = docs.attend(q, k, v, window, enable_gqa=gqa)
         elif kv is not None:  # generation: attend to every cached key the rules allow
             k, v = kv.append(k, v)
             mask = attention_mask(start, T, self.window, x.device)
