@@ -181,6 +181,10 @@ class FakeEvent:
     def query(self) -> bool:
         return True
 
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.snapshot is not None and end.snapshot is not None, "an unrecorded event"
+        return 1.0  # ms: time is not simulated
+
 
 class OrderChecker(TorchDispatchMode):
     """Attributes each op to the thread's current stream and checks its memory accesses."""

@@ -79,6 +79,15 @@ def test_cuda_backend_orders_every_copy_and_read(monkeypatch, swap):
         assert rel_err(params[name], p) <= 1e-6, name
 
 
+def test_timed_copies_keep_the_order_and_give_a_bandwidth(monkeypatch):
+    """gpu_check's H2D timing (events around each copy) changes no ordering."""
+    backend, sim = cuda_backend(monkeypatch, 1 << 16)
+    backend.time_copies = True
+    _train(_config({}), backend, sim, steps=2)
+    assert sim.violations == [] and len(backend._timed) >= 2 * 5  # every unit, every step
+    assert backend.copy_gbps() > 0
+
+
 def test_a_copy_that_does_not_wait_for_the_slots_last_reader_is_caught(monkeypatch):
     """The copy stream skips `wait_event(after)`: the next unit's copy overwrites a slot
     the compute stream may still be reading."""

@@ -33,3 +33,17 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path, monkeypatch):
     tiers = sections["tiers"]["rows"]
     assert [r.get("bit_identical") for r in tiers if r["state"] == "fp32" and r["disk"]] == [True]
     assert (tmp_path / "report" / "gpu_check.md").read_text().startswith("# gpu_check")
+
+
+def test_a_section_the_budget_cannot_fit_is_skipped_with_a_line(tmp_path):
+    """--budget bounds the whole check: what would start with less than its minimum is
+    skipped, saying why and what to do, and the check still exits 0 with a report."""
+    out = tmp_path / "report"
+    assert gpu_check.main([str(out), "--dry-run", "--budget", "30",
+                           "--only", "env", "equivalence", "big"]) == 0  # fmt: skip
+    sections = json.loads((out / "gpu_check.json").read_text())["sections"]
+    assert sections["env"]["status"] == "ok"
+    for name in ("equivalence", "big"):
+        assert sections[name]["status"] == "skipped"
+        assert "out of the time budget" in sections[name]["why"]
+        assert "--budget" in sections[name]["why"]

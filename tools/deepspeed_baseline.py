@@ -14,7 +14,10 @@ process, world size 1, NCCL on loopback.
 
 Weights: DeepSpeed's own (module init inside `zero.Init` for ZeRO-3, partitioned as the
 modules are built, so the full model is never materialised on the device): the baseline
-is timed, not trained to a loss.
+is timed, not trained to a loss. `--recompute` checkpoints each block's activations (what
+atom's plan does with swap.checkpoint), so both run at the same micro-batch; one that
+runs out of device memory is halved (the batch kept by accumulation) until it fits, and
+the micro-batch used is in the output.
 """
 
 from __future__ import annotations
@@ -56,7 +59,20 @@ def ds_config(cfg: Config, stage: int) -> dict:
     }
 
 
-def run(cfg: Config, stage: int, steps: int, warmup: int = 1) -> dict:
+class _Recomputed(torch.nn.Module):
+    """A block whose activations are recomputed in backward (non-reentrant checkpoint)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, *args, use_reentrant=False, **kwargs)
+
+
+def run(cfg: Config, stage: int, steps: int, warmup: int = 1, recompute: bool = False) -> dict:
     import deepspeed
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
@@ -69,6 +85,8 @@ def run(cfg: Config, stage: int, steps: int, warmup: int = 1) -> dict:
             model = build_model(cfg.model, device="cpu")
     else:
         model = build_model(cfg.model, device="cpu")
+    if recompute:
+        model.blocks = torch.nn.ModuleList(_Recomputed(b) for b in model.blocks)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -90,6 +108,8 @@ def run(cfg: Config, stage: int, steps: int, warmup: int = 1) -> dict:
     tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
     return {
         "stage": stage,
+        "micro_batch": cfg.train.micro_batch,
+        "recompute": recompute,
         "step_s": step_s,
         "tokens_per_s": tokens / step_s,
         "device_peak_bytes": torch.cuda.max_memory_allocated(),
@@ -106,21 +126,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--stage", type=int, choices=(2, 3), default=3)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--recompute", action="store_true", help="checkpoint each block")
     args = ap.parse_args(argv)
     if args.batch % args.micro_batch:
         ap.error("--batch must be a multiple of --micro-batch")
-    overrides = [*args.overrides, f"train.micro_batch={args.micro_batch}",
-                 f"train.grad_accum={args.batch // args.micro_batch}"]  # fmt: skip
-    cfg = load_config(args.config, overrides)
     if args.gpu_mem:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(args.gpu_mem) / total))
-    try:
-        result = run(cfg, args.stage, args.steps)
-    except torch.OutOfMemoryError as err:
-        result = {"stage": args.stage, "error": f"out of device memory: {str(err)[:200]}"}
+    micro, tried = args.micro_batch, []
+    while True:
+        overrides = [*args.overrides, f"train.micro_batch={micro}",
+                     f"train.grad_accum={args.batch // micro}"]  # fmt: skip
+        cfg = load_config(args.config, overrides)
+        try:
+            result = run(cfg, args.stage, args.steps, recompute=args.recompute)
+            break
+        except torch.OutOfMemoryError as err:
+            tried.append(micro)
+            if micro == 1 or args.batch % (micro // 2):
+                result = {"stage": args.stage, "error": f"out of device memory at micro-batch "
+                          f"{tried}: {str(err)[:200]}"}  # fmt: skip
+                break
+            micro //= 2
+            _release()
+    result["out_of_memory_at"] = tried
     print(json.dumps(result))
     return 0
+
+
+def _release() -> None:
+    """Free what a failed attempt left on the device before the next one."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@
     python3 -m tools.gpu_check OUT_DIR --dry-run       # CPU: the same sections, tiny shapes
 
 Needs only torch and the project's pure-Python dependencies (no pyzmq, no DeepSpeed: those
-sections say they were skipped). Every section runs on its own (in a child process where a
-crash or hang could take the rest down), is bounded in time, and is written to
+sections say they were skipped). Every section but `env` runs in a child process (a crash
+or hang cannot take the rest down), all of them within one time budget (`--budget`,
+default 540 s: each child's timeout is what is left of it, and a section that would start
+with less than its minimum is skipped with a line saying so), and each is written to
 OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md as soon as it ends, so a report survives a
-section that fails or a run that is cut short.
+section that fails or a run that is cut short. On a card with less memory than
+`--gpu-mem`, `big` and `deepspeed` run under the card's own (less a margin) and say so.
 
 Sections:
   env          device, torch/CUDA versions, memory
@@ -16,11 +19,14 @@ Sections:
   equivalence  swapped vs resident on CUDA, fp32 and bf16, every schedule knob
   fits         a model that fits the card: swapped vs resident step time, side by side
   big          `atom profile` then training steps of a model that does not fit the
-               --gpu-mem cap: tokens/s, step / max(compute, bus floor), H2D achieved/peak,
+               --gpu-mem cap: tokens/s, step / max(compute, bus floor), the H2D copies'
+               own GB/s (CUDA events around each) over the pinned peak of `bandwidth`,
                device peak vs predicted, bytes moved per step
   tiers        host state on this device: compact vs fp32 (loss tracks), the NVMe tier vs RAM
                (bit-identical), step times side by side
-  deepspeed    ZeRO-3 offload on the same model, cap and batch (only where DeepSpeed imports)
+  deepspeed    ZeRO-2 with the optimizer offloaded and ZeRO-3 with parameters and optimizer
+               offloaded, on the same model, cap, batch, micro-batch and recompute as
+               `big`'s plan (only where DeepSpeed imports)
 """
 
 from __future__ import annotations
@@ -74,9 +80,18 @@ class Report:
         (self.out / "gpu_check.md").write_text("\n".join(lines))
 
 
-def run_section(report: Report, name: str, fn, *args) -> dict:
-    print(f"gpu_check: {name} ...", flush=True)
-    t0 = time.perf_counter()
+# The least time (s) a section needs to say anything useful; with less left it is skipped.
+MIN_SECONDS = {"env": 5, "bandwidth": 20, "tests": 60, "equivalence": 60, "fits": 60,
+               "tiers": 60, "big": 120, "deepspeed": 90}  # fmt: skip
+DEADLINE_ENV = "GPU_CHECK_DEADLINE"  # epoch seconds: the budget's end, seen by children
+
+
+def seconds_left() -> float:
+    return float(os.environ.get(DEADLINE_ENV, time.time() + 3600)) - time.time()
+
+
+def call_section(fn, *args) -> dict:
+    """One section's result: what it returns, or skipped / FAILED with why."""
     try:
         result = fn(*args) or {}
         result.setdefault("status", "ok")
@@ -88,6 +103,34 @@ def run_section(report: Report, name: str, fn, *args) -> dict:
             "error": f"{type(err).__name__}: {err}",
             "traceback": traceback.format_exc(),
         }
+    return result
+
+
+def _isolated(name: str, args: tuple) -> dict:
+    """Run section `name` in a child process bounded by the budget; its result."""
+    out = Path(os.environ["GPU_CHECK_OUT"])
+    result_file = out / "sections" / f"{name}.json"
+    result_file.unlink(missing_ok=True)
+    code, log = _child(["-m", "tools.gpu_check", "--section-child", name, json.dumps(args)],
+                       timeout=seconds_left() - 2)  # fmt: skip
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    return {"status": "FAILED", "error": f"the section's process ended ({code}) with no result",
+            "log": log}  # fmt: skip
+
+
+def run_section(report: Report, name: str, fn, *args, isolate: bool = True) -> dict:
+    print(f"gpu_check: {name} ...", flush=True)
+    t0 = time.perf_counter()
+    left = seconds_left()
+    if left < MIN_SECONDS.get(name, 30):
+        result = {"status": "skipped",
+                  "why": f"out of the time budget ({left:.0f} s left; it needs "
+                         f"{MIN_SECONDS.get(name, 30)}): raise --budget or use --only"}  # fmt: skip
+    elif isolate:
+        result = _isolated(name, args)
+    else:
+        result = call_section(fn, *args)
     result["seconds"] = time.perf_counter() - t0
     print(f"gpu_check: {name}: {result['status']} ({result['seconds']:.1f} s)", flush=True)
     if result["status"] == "FAILED":
@@ -103,6 +146,7 @@ class SkipSection(Exception):
 def _child(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run a child python; its output (last part) and exit code. A hang is killed."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+    timeout = max(1.0, min(timeout, seconds_left() - 1))  # never past the budget
     try:
         proc = subprocess.run(
             [sys.executable, *args],
@@ -402,6 +446,32 @@ def tiers_section(dry: bool) -> dict:
     return {"status": "ok" if ok else "FAILED", "rows": rows}
 
 
+def card_cap(gpu_mem: str, dry: bool) -> tuple[str, str | None]:
+    """The cap to emulate, lowered to the card's memory less a margin when the card has
+    less than asked; (cap, a note when lowered)."""
+    if dry:
+        return gpu_mem, None
+    import torch
+
+    from atom.sizes import parse_bytes
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    usable = int(total * 0.92)  # the CUDA context and the allocator's slack
+    if parse_bytes(gpu_mem) <= usable:
+        return gpu_mem, None
+    cap = f"{usable / 2**30:.1f}GiB"
+    return cap, f"the card has {total / 2**30:.1f} GiB: capped at {cap}, not {gpu_mem}"
+
+
+def _pinned_peak_gbps() -> float | None:
+    """bandwidth's pinned H2D figure, from the report written so far."""
+    path = Path(os.environ["GPU_CHECK_OUT"]) / "gpu_check.json"
+    if not path.exists():
+        return None
+    sections = json.loads(path.read_text()).get("sections", {})
+    return sections.get("bandwidth", {}).get("h2d_pinned_gbps")
+
+
 def big_section(
     dry: bool, config: str, gpu_mem: str, batch: int, steps: int, overrides: list[str]
 ) -> dict:
@@ -411,6 +481,7 @@ def big_section(
     plan = out / "plan.json"
     if dry:
         config, gpu_mem, batch = "tiny", "1GiB", 8
+    gpu_mem, lowered = card_cap(gpu_mem, dry)
     sets = [a for kv in ["model.vocab_size=256", *overrides] for a in ("--set", kv)]
     code, log = _child(
         [
@@ -431,7 +502,9 @@ def big_section(
         ],
         timeout=200,
     )
-    result: dict = {"profile_exit": code, "profile_log": log[-2500:]}
+    result: dict = {"gpu_mem": gpu_mem, "profile_exit": code, "profile_log": log[-2500:]}
+    if lowered:
+        result["note"] = lowered
     if code != 0:
         result["status"] = "FAILED"
         return result
@@ -454,6 +527,9 @@ def big_section(
     child = out / "big_train.json"
     if child.exists():
         result.update(json.loads(child.read_text()))
+    peak = _pinned_peak_gbps()
+    if peak and result.get("h2d_copy_gbps"):
+        result["h2d_copy_over_pinned_peak"] = round(result["h2d_copy_gbps"] / peak, 3)
     if code != 0:
         result["status"] = "FAILED"
     return result
@@ -462,8 +538,11 @@ def big_section(
 def deepspeed_section(
     dry: bool, config: str, gpu_mem: str, batch: int, steps: int, overrides: list[str]
 ) -> dict:
-    """ZeRO-3 with parameters and optimizer offloaded to the CPU, on the model, cap, batch
-    and micro-batch of `big`'s plan; tokens/s next to atom's."""
+    """The DeepSpeed configurations a user would pick, on the model, cap, batch,
+    micro-batch and recompute of `big`'s plan: ZeRO-2 with the optimizer offloaded (when
+    the bf16 weights and gradients fit the card) and ZeRO-3 with parameters and optimizer
+    offloaded; tokens/s next to atom's. A micro-batch that runs out of memory is halved
+    (the batch kept by accumulation) and the one used is reported."""
     try:
         import deepspeed  # noqa: F401
     except ImportError:
@@ -471,28 +550,39 @@ def deepspeed_section(
     if dry:
         raise SkipSection("the DeepSpeed baseline needs CUDA (dry run)")
     out = Path(os.environ["GPU_CHECK_OUT"])
+    gpu_mem, lowered = card_cap(gpu_mem, dry)
     big = (
         json.loads((out / "big_train.json").read_text())
         if (out / "big_train.json").exists()
         else {}
     )
     micro = big.get("plan", {}).get("micro_batch", 1)
+    recompute = bool(big.get("plan", {}).get("swap", {}).get("checkpoint", True))
     sets = [a for kv in ["model.vocab_size=256", *overrides] for a in ("--set", kv)]
-    code, log = _child(
-        ["-m", "tools.deepspeed_baseline", "--config", config, "--gpu-mem", gpu_mem,
-         "--batch", str(batch), "--micro-batch", str(micro), "--stage", "3",
-         "--steps", str(max(2, steps - 1)), *sets],
-        timeout=300,
-    )  # fmt: skip
-    result: dict = {"exit": code, "log": log[-2500:]}
-    lines = [line for line in log.splitlines() if line.startswith("{")]
-    if code != 0 or not lines:
+    result: dict = {"gpu_mem": gpu_mem, "micro_batch_asked": micro, "recompute": recompute}
+    if lowered:
+        result["note"] = lowered
+    for stage, label in ((2, "zero2_offload_optimizer"), (3, "zero3_offload_all")):
+        if seconds_left() < 60:
+            result[label] = {"skipped": "out of the time budget"}
+            continue
+        code, log = _child(
+            ["-m", "tools.deepspeed_baseline", "--config", config, "--gpu-mem", gpu_mem,
+             "--batch", str(batch), "--micro-batch", str(micro), "--stage", str(stage),
+             "--steps", str(max(2, steps - 1)), *(["--recompute"] if recompute else []),
+             *sets],
+            timeout=300,
+        )  # fmt: skip
+        lines = [line for line in log.splitlines() if line.startswith("{")]
+        ds = json.loads(lines[-1]) if lines else {"exit": code, "log": log[-2000:]}
+        result[label] = ds
+        if ds.get("tokens_per_s") and big.get("tokens_per_s"):
+            result[f"atom_over_{label.split('_')[0]}"] = round(
+                big["tokens_per_s"] / ds["tokens_per_s"], 2
+            )
+    if not any("tokens_per_s" in result.get(k, {}) for k in ("zero2_offload_optimizer",
+                                                            "zero3_offload_all")):  # fmt: skip
         result["status"] = "FAILED"
-        return result
-    ds = json.loads(lines[-1])
-    result["zero3_offload"] = ds
-    if "tokens_per_s" in ds and big.get("tokens_per_s"):
-        result["atom_over_zero3"] = round(big["tokens_per_s"] / ds["tokens_per_s"], 2)
     return result
 
 
@@ -501,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--train-child":
         plan, config, gpu_mem, steps, dry = argv[1:6]
         train_child(plan, config, gpu_mem, int(steps), dry == "--dry-run", argv[6:])
+        return 0
+    if argv and argv[0] == "--section-child":  # one section, its result to a file
+        name, args = argv[1], json.loads(argv[2])
+        result = call_section(SECTIONS[name], *args)
+        path = Path(os.environ["GPU_CHECK_OUT"]) / "sections" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
         return 0
     p = argparse.ArgumentParser(
         prog="python -m tools.gpu_check",
@@ -514,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step for `big`")
     p.add_argument("--steps", type=int, default=3, help="timed training steps for `big`")
     p.add_argument("--only", nargs="*", help="run only these sections")
+    p.add_argument("--budget", type=float, default=540.0,
+                   help="seconds for the whole check (default 540: under 9 minutes)")  # fmt: skip
     p.add_argument(
         "--set",
         dest="overrides",
@@ -525,31 +624,37 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     os.environ["GPU_CHECK_OUT"] = str(out)
+    os.environ[DEADLINE_ENV] = str(time.time() + args.budget)
     os.environ.setdefault("ATOM_CACHE", str(out / "cache"))
     report = Report(out, args.dry_run)
     # the model, cap and batch that `big` trains and the DeepSpeed baseline runs
     model_args = (args.config, args.gpu_mem, args.batch, args.steps, args.overrides)
-    sections = [
-        ("env", env_section, args.dry_run),
-        ("bandwidth", bandwidth_section, args.dry_run),
-        ("tests", tests_section, args.dry_run),
-        ("equivalence", equivalence_section, args.dry_run),
-        ("fits", fits_section, args.dry_run),
-        ("tiers", tiers_section, args.dry_run),
-        ("big", big_section, args.dry_run, *model_args),
-        ("deepspeed", deepspeed_section, args.dry_run, *model_args),
-    ]
     failed = []
-    for name, fn, *fargs in sections:
+    for name, fn in SECTIONS.items():
         if args.only and name not in args.only:
             continue
-        if run_section(report, name, fn, *fargs)["status"] == "FAILED":
+        fargs = (args.dry_run, *model_args) if name in ("big", "deepspeed") else (args.dry_run,)
+        # env in this process (it is quick, and says what the machine is even if all else
+        # fails); big and deepspeed spawn their own bounded children
+        isolate = name not in ("env", "big", "deepspeed", "tests")
+        if run_section(report, name, fn, *fargs, isolate=isolate)["status"] == "FAILED":
             failed.append(name)
     report.data["failed"] = failed
     report.write()
     print(f"gpu_check: report in {out}/gpu_check.md; failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 
+
+SECTIONS = {
+    "env": env_section,
+    "bandwidth": bandwidth_section,
+    "tests": tests_section,
+    "equivalence": equivalence_section,
+    "fits": fits_section,
+    "tiers": tiers_section,
+    "big": big_section,
+    "deepspeed": deepspeed_section,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -83,9 +83,13 @@ def train_child(
         "predicted": plan.prediction,
         "build_s": round(build_s, 1),
     }
+    backend = engine.backend
+    backend.time_copies = not dry  # CUDA events around each H2D copy
     try:
         loads0 = engine.slots.bytes_loaded
         times = time_steps(engine, cfg, steps)
+        copy_gbps = backend.copy_gbps() if not dry else None
+        backend.time_copies = False
         step_s = statistics.median(times)
         moved = (engine.slots.bytes_loaded - loads0) / (len(times) + 1)
         tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
@@ -108,7 +112,8 @@ def train_child(
             bus_floor_s=bus_floor,
             compute_s_predicted=compute,
             step_over_floor=round(step_s / max(compute, bus_floor or 0.0), 3),
-            h2d_achieved_gbps=round(moved / step_s / 1e9, 2),
+            h2d_achieved_gbps=round(moved / step_s / 1e9, 2),  # over the whole step
+            h2d_copy_gbps=round(copy_gbps, 2) if copy_gbps else None,  # while copying
             device_peak_bytes=peak,
             peak_over_predicted=round(peak / plan.prediction["peak_device_bytes"], 3),
             step_over_predicted=round(step_s / plan.prediction["step_s"], 3),

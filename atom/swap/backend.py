@@ -259,6 +259,9 @@ class CudaBackend(Backend):
         self._staging: queue.Queue | None = None
         self._arenas: list = []
         self.pinned_bytes = 0
+        # tools/gpu_check: time each H2D copy with CUDA events (start, end, bytes)
+        self.time_copies = False
+        self._timed: list[tuple[object, object, int]] = []
 
     def alloc_device(self, numel, dtype):
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -296,9 +299,15 @@ class CudaBackend(Backend):
             with _held(locks), torch.cuda.stream(self.h2d_stream):
                 if after is not None:
                     self.h2d_stream.wait_event(after)  # slot's previous reader finished
+                timed = self.time_copies
+                if timed:
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(self.h2d_stream)
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=timed)
                 ev.record(self.h2d_stream)
+                if timed:
+                    self._timed.append((start, ev, src.nbytes))
                 if locks:
                     ev.synchronize()  # the source must not change until the DMA has read it
             t.cuda_event = ev
@@ -354,6 +363,15 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def copy_gbps(self) -> float | None:
+        """The timed H2D copies' own bandwidth: their bytes over the time they ran (not
+        over the step: a compute-bound step leaves the bus idle by design)."""
+        if not self._timed:
+            return None
+        self.synchronize()
+        seconds = sum(start.elapsed_time(end) for start, end, _ in self._timed) / 1e3
+        return sum(n for *_, n in self._timed) / max(seconds, 1e-9) / 1e9
 
     def peak_allocated(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
