@@ -377,6 +377,13 @@ def cmd_profile(args) -> int:
         f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
         f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"
     )
+    pinned = best.get("detail", {}).get("pinned_bytes", 0)
+    host = best.get("host_bytes")
+    if host:
+        print(
+            f"atom: host RAM for model state {host / 2**30:.2f} GiB"
+            + (f", {pinned / 2**30:.2f} GiB of it pinned (page-locked)" if pinned else "")
+        )
     for note in plan.notes:
         print(f"atom: {note}")
     plan.save(Path(args.out))

@@ -5,6 +5,7 @@ pytest tests/test_profiler.py
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -357,3 +358,16 @@ def test_train_refusal_is_about_ram_whatever_else_the_config_rules_out(monkeypat
     with pytest.raises(ConfigError, match="host RAM") as err:
         train.check_host_memory(cfg, torch.bfloat16)
     assert "8-bit AdamW" not in str(err.value)
+
+
+def test_profile_says_the_host_ram_and_pinned_bytes_of_its_choice(tmp_path, capsys):
+    """On a (stated) CUDA machine the chosen plan's host RAM and the part of it that is
+    page-locked are printed, as plan.json has them."""
+    out = tmp_path / "plan.json"
+    assert main(["profile", "--config", "llama-7b", "--gpu-mem", "24GiB", "--hardware",
+                 "rtx4090", "--host-mem", "64GiB", "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    detail = json.loads(out.read_text())["prediction"]["detail"]
+    pinned = detail["pinned_bytes"]
+    assert pinned > 0
+    assert f"{pinned / 2**30:.2f} GiB of it pinned" in printed
