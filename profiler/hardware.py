@@ -280,13 +280,22 @@ def measure(
     device_mem: int | None = None,
     host_mem: int | None = None,
     disk_dir: str | None = None,
+    progress: bool = False,
 ) -> HardwareSpec:
     """Measure this machine at the transfer size the plan would use (and the disk of the
-    NVMe tier, when there is one)."""
-    spec = _measure(device, transfer_numel, dtype, device_mem, host_mem)
-    if disk_dir is not None:
-        log.info("measuring disk speed in %s", disk_dir)
-        spec.disk_read_bps, spec.disk_write_bps = measure_disk(disk_dir)
+    NVMe tier, when there is one), with a progress line naming each measurement."""
+    from tqdm import tqdm
+
+    phases = 5 + (disk_dir is not None)
+    with tqdm(total=phases, desc="measuring this machine", unit="step",
+              disable=not progress) as bar:  # fmt: skip
+        spec = _measure(device, transfer_numel, dtype, device_mem, host_mem, bar)
+        if disk_dir is not None:
+            bar.set_postfix_str(f"disk in {disk_dir}")
+            if bar.disable:
+                log.info("measuring this machine: disk speed in %s", disk_dir)
+            spec.disk_read_bps, spec.disk_write_bps = measure_disk(disk_dir)
+            bar.update()
     return spec
 
 
@@ -296,17 +305,31 @@ def _measure(
     dtype: torch.dtype,
     device_mem: int | None,
     host_mem: int | None,
+    bar,
 ) -> HardwareSpec:
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
-    adam, add = measure_host_optimizer(compute_dtype=dtype)
-    compact = measure_compact_update()
-    overhead = measure_unit_overhead(device)
+
+    def phase(name: str, fn):
+        bar.set_postfix_str(name)
+        if bar.disable:  # not a terminal: a log line per measurement instead
+            log.info("measuring this machine: %s", name)
+        result = fn()
+        bar.update()
+        return result
+
+    adam, add = phase("host AdamW", lambda: measure_host_optimizer(compute_dtype=dtype))
+    compact = phase("compact AdamW", measure_compact_update)
+    overhead = phase("per-unit overhead", lambda: measure_unit_overhead(device))
+    bar.set_postfix_str("bandwidth")
+    if bar.disable:
+        log.info("measuring this machine: host<->device bandwidth")
     # at least 64 MiB: smaller copies run from cache and overstate DRAM bandwidth
     numel = max(transfer_numel, 1 << 24)
     if device.type == "cpu":
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
         bps = _threaded_copy_bps(dst, src)
+        bar.update(2)
         # the "device" is host memory: by default let the plan use what model state leaves
         return HardwareSpec(
             name=f"CPU ({psutil.cpu_count()} cores, {vm.total / GiB:.0f} GiB)",
@@ -346,6 +369,7 @@ def _measure(
             back.copy_(dev2, non_blocking=True)
 
     duplex = pinned.nbytes / timed(both)
+    bar.update(2)
     margin = max(GiB // 2, int(0.05 * total))  # CUDA context, allocator slack, fragmentation
     return HardwareSpec(
         name=torch.cuda.get_device_name(device),

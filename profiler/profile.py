@@ -66,8 +66,7 @@ def run_profile(
                 hw.disk_read_bps, hw.disk_write_bps = hardware.measure_disk(disk_dir)
                 cache.data["hardware"] = hw.to_dict()
         else:
-            log.info("measuring host<->device bandwidth and host optimizer speed")
-            hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem, disk_dir)
+            hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem, disk_dir, progress)
             cache.data["hardware"] = hw.to_dict()
         if disk_dir is None:  # a disk measured for another run's directory is not this one's
             hw.disk_read_bps = hw.disk_write_bps = 0.0
@@ -81,6 +80,8 @@ def run_profile(
         for mb in tqdm(
             missing, desc="timing one block", unit="batch size", disable=not progress or not missing
         ):
+            if not progress:  # not a terminal: a log line per measurement instead
+                log.info("timing one block at micro-batch %d", mb)
             try:
                 cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
             except torch.OutOfMemoryError:

@@ -187,9 +187,10 @@ def test_every_config_profiles_on_meta_in_seconds(path):
 
 
 def test_profile_and_train_with_the_plan_through_the_cli(
-    tmp_path, text_dataset, capsys, monkeypatch
+    tmp_path, text_dataset, capsys, monkeypatch, caplog
 ):
     monkeypatch.setenv("ATOM_CACHE", str(tmp_path / "cache"))
+    caplog.set_level("INFO")
     sets = [
         "--set",
         "model.n_layer=2",
@@ -202,6 +203,11 @@ def test_profile_and_train_with_the_plan_through_the_cli(
     assert main(["profile", *sets, "--out", str(plan_path), "--gpu-mem", "256MiB"]) == 0
     out = capsys.readouterr().out
     assert "| # | layers/unit" in out and "chose #1" in out
+    # not a terminal: each measurement says what it is doing as it starts
+    said = [r.getMessage() for r in caplog.records]
+    assert "measuring this machine: host AdamW" in said
+    assert "measuring this machine: host<->device bandwidth" in said
+    assert any(m.startswith("timing one block at micro-batch") for m in said)
     assert (
         main(
             [
