@@ -99,9 +99,15 @@ def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -
     if cuda:
         total += 3 * a.largest_unit * 4  # pinned D2H staging buffers (fp32 when summed)
     if c.offload_activations:
-        m = c.grad_accum if c.order == "unit" else 1
-        total += (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * m
+        total += offloaded_bytes(a, c, dtype)
     return total
+
+
+def offloaded_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
+    """Host bytes of the checkpointed unit inputs kept in host memory at once: every unit
+    but the first and the head, for each micro-batch in flight (all of them, unit-major)."""
+    m = c.grad_accum if c.order == "unit" else 1
+    return (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * m
 
 
 def _pipeline(compute: list[float], transfer: list[float], prefetch: int) -> tuple[float, float]:
@@ -233,8 +239,13 @@ def predict(
             "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
             "disk_bytes": sum(a.record_bytes(c.state)) if c.disk else 0,
             "disk_io_s": disk_io,
-            # page-locked on CUDA: every unit's compute copy and the D2H staging pool
-            "pinned_bytes": (sum(u.n_total for u in units) * dt + 3 * a.largest_unit * 4)
+            # page-locked on CUDA: every unit's compute copy, the D2H staging pool and
+            # the offloaded unit inputs' buffers
+            "pinned_bytes": (
+                sum(u.n_total for u in units) * dt
+                + 3 * a.largest_unit * 4
+                + (offloaded_bytes(a, c, dtype) if c.offload_activations else 0)
+            )
             if cuda
             else 0,
         },

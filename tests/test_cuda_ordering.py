@@ -79,6 +79,28 @@ def test_cuda_backend_orders_every_copy_and_read(monkeypatch, swap):
         assert rel_err(params[name], p) <= 1e-6, name
 
 
+def test_offloaded_inputs_reuse_their_pinned_buffers_and_are_counted(monkeypatch):
+    """The offload pool is page-locked in the first step and reused after: the pinned
+    bytes grow by exactly the offloaded inputs once, then not at all."""
+    cfg = _config({"checkpoint": True, "offload_activations": True, "order": "unit"})
+    backend, sim = cuda_backend(monkeypatch, 1 << 16)
+    engine = SwapEngine(cfg, backend, torch.float32)
+    try:
+        before = backend.pinned_bytes
+        seen = []
+        for step in range(3):
+            with sim.watch():
+                engine.train_step(batches_for(step, cfg), 1e-3)
+            seen.append(backend.pinned_bytes)
+    finally:
+        engine.close()
+    n_inputs = (len(engine.units) - 2) * cfg.train.grad_accum  # unit-major: all in flight
+    hidden = cfg.train.micro_batch * cfg.model.seq_len * cfg.model.d_model * 4
+    assert seen[0] - before >= n_inputs * hidden  # each page-aligned
+    assert seen[0] - before <= n_inputs * (hidden + 4096)
+    assert seen[1] == seen[2] == seen[0] and sim.violations == []
+
+
 def test_timed_copies_keep_the_order_and_give_a_bandwidth(monkeypatch):
     """gpu_check's H2D timing (events around each copy) changes no ordering."""
     backend, sim = cuda_backend(monkeypatch, 1 << 16)

@@ -259,6 +259,8 @@ class CudaBackend(Backend):
         self._staging: queue.Queue | None = None
         self._arenas: list = []
         self.pinned_bytes = 0
+        # activation offload: pinned host buffers by (shape, dtype), reused every step
+        self._offload_pool: dict[tuple, list[torch.Tensor]] = {}
         # tools/gpu_check: time each H2D copy with CUDA events (start, end, bytes)
         self.time_copies = False
         self._timed: list[tuple[object, object, int]] = []
@@ -343,14 +345,28 @@ class CudaBackend(Backend):
         self._staging.put(t._buf)  # type: ignore[attr-defined]
 
     def offload(self, t: torch.Tensor) -> torch.Tensor:
-        # On the compute stream: ordered after the kernel that made `t` and before the
-        # `fetch` that reads it back, with no event bookkeeping.
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        """On the compute stream: ordered after the kernel that made `t` and before the
+        `fetch` that reads it back, with no event bookkeeping. Into a pinned buffer of a
+        pool kept across steps (page-locked once, counted in pinned_bytes; torch's
+        caching host allocator would round each up to a power of two)."""
+        from atom.swap import pinned
+
+        free = self._offload_pool.setdefault((tuple(t.shape), t.dtype), [])
+        if free:
+            host = free.pop()
+        else:
+            arena, (flat,) = pinned.allocate([(t.numel(), t.dtype)])
+            self.pinned_bytes += arena.nbytes if arena is not None else flat.nbytes
+            host = flat.view(t.shape)
         host.copy_(t, non_blocking=True)
         return host
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+        out = t.to(self.device, non_blocking=True)
+        # Free for the next offload at once: its write is on the compute stream too, so
+        # it runs after this read.
+        self._offload_pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+        return out
 
     def wait_compute(self, t: Transfer) -> None:
         _wait_issued(t)
