@@ -132,19 +132,23 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     swapped = build_engine(cfg, resident=False)
+    blocks = {"swapped": Block(swapped, cfg, sync)}
+    blocks["swapped"].run(2)  # warm-up (allocation, first touch, optimizer state), alone:
+    swapped_peak = swapped.device_peak_bytes()  # its peak before a resident model joins
     resident = None
     if resident_too:
         from atom.resident import ResidentEngine
 
         try:
             resident = ResidentEngine(cfg, device, dtype, recompute=cfg.swap.checkpoint)
+            blocks["resident"] = Block(resident, cfg, sync)
+            blocks["resident"].run(1)
         except torch.OutOfMemoryError:
+            log.warning("resident training does not fit: out of device memory")
+            blocks.pop("resident", None)
+            resident = None
+            gc.collect()
             torch.cuda.empty_cache()
-    blocks = {"swapped": Block(swapped, cfg, sync)}
-    if resident is not None:
-        blocks["resident"] = Block(resident, cfg, sync)
-    for b in blocks.values():
-        b.run(1)  # warm-up: allocation, first-touch, optimizer state
     times: dict[str, list[float]] = {k: [] for k in blocks}
     before = _counters(swapped)
     swapped_steps = 0
@@ -175,7 +179,7 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
         "d2h_min_bytes": d2h_min,
         "load_wait_s_per_step": per["load_wait"],
         "exposed_host_s_per_step": per["opt_wait"] + per["norm_wait"],
-        "device_peak_bytes": swapped.device_peak_bytes(),
+        "device_peak_bytes": swapped_peak,
     }
     if "resident" in times:
         ratios = [s / r for s, r in zip(times["swapped"], times["resident"], strict=True)]
@@ -230,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     device, dtype = resolve_device(cfg)
     if args.gpu_mem and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(parse_bytes(args.gpu_mem) / total, device)
+        fraction = min(1.0, parse_bytes(args.gpu_mem) / total)  # a cap above the card: none
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
     hardware = (
         f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
         f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
