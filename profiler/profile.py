@@ -84,7 +84,7 @@ def run_profile(
                 log.info("timing one block at micro-batch %d", mb)
             try:
                 cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 # One block (or the head's B x T x V logits) at this micro-batch does not
                 # fit the device: no plan can use it or anything larger. Back off.
                 log.warning(

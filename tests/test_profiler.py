@@ -245,7 +245,7 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     def measure(model_cfg, micro_batch, device, dtype, reps=5):
         tried.append(micro_batch)
         if micro_batch >= 4:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model_cfg, micro_batch, device, dtype, reps=1)
 
     monkeypatch.setattr(timing, "measure_pieces", measure)

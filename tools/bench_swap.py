@@ -143,7 +143,7 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
             resident = ResidentEngine(cfg, device, dtype, recompute=cfg.swap.checkpoint)
             blocks["resident"] = Block(resident, cfg, sync)
             blocks["resident"].run(1)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             log.warning("resident training does not fit: out of device memory")
             blocks.pop("resident", None)
             resident = None
@@ -158,7 +158,7 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
                 times[name].append(blocks[name].run(steps))
                 if name == "swapped":
                     swapped_steps += steps
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 log.warning("resident training does not fit: out of device memory")
                 del blocks[name], times[name]
                 resident = None

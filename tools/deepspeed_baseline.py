@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = run(cfg, args.stage, args.steps, recompute=args.recompute)
             break
-        except torch.OutOfMemoryError as err:
+        except torch.cuda.OutOfMemoryError as err:
             tried.append(micro)
             if micro == 1 or args.batch % (micro // 2):
                 result = {"stage": args.stage, "error": f"out of device memory at micro-batch "

@@ -141,7 +141,7 @@ def _schedule_variants(engine, cfg, steps: int, dry: bool) -> list[dict]:
         h2d0, d2h0 = engine.slots.bytes_loaded, engine.d2h_bytes
         try:
             times = time_steps(engine, cfg, max(2, steps - 1))
-        except torch.OutOfMemoryError as err:
+        except torch.cuda.OutOfMemoryError as err:
             rows.append({"order": order, "update": update, "error": f"OOM: {err}"[:200]})
             continue
         n = len(times) + 1
