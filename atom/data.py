@@ -141,14 +141,25 @@ def _collect_files(inputs: list[Path]) -> list[Path]:
 
 
 def _document_cut(flags_path: Path, n_train: int, total: int) -> int:
-    """Where val begins in a dataset of documents: the first document start at or after
-    the planned cut, else the last before it, so no document is split between the two."""
+    """Where val begins in a dataset of documents: the document start nearest the planned
+    cut (either side; never the very first token), so no document is split between the
+    two; the planned cut where there is no other start (one long document)."""
     flags = np.memmap(flags_path, dtype=np.uint8, mode="r", shape=(total,))
-    after = np.flatnonzero(flags[n_train:] & START)
-    if len(after) and n_train + after[0] < total:
-        return n_train + int(after[0])
-    before = np.flatnonzero(flags[1:n_train] & START)
-    return 1 + int(before[-1]) if len(before) else n_train
+    block = 1 << 24
+    after = before = None
+    for at in range(n_train, total, block):  # the first start at or after the cut
+        hits = np.flatnonzero(flags[at : min(at + block, total)] & START)
+        if len(hits):
+            after = at + int(hits[0])
+            break
+    for end in range(n_train, 1, -block):  # the last start before it (after token 0)
+        lo = max(1, end - block)
+        hits = np.flatnonzero(flags[lo:end] & START)
+        if len(hits):
+            before = lo + int(hits[-1])
+            break
+    candidates = [c for c in (after, before) if c is not None]
+    return min(candidates, key=lambda c: abs(c - n_train)) if candidates else n_train
 
 
 def _write_dataset(
@@ -385,6 +396,8 @@ class _DocumentIndex:
         inside a longer one: every token is drawn with the same chance, and a short
         document is always read whole from its start."""
         n = len(self.flags)
+        if not len(self.starts):  # the split lies inside one document: plain windows
+            return np.minimum(drawn, n - T - 1)
         k = np.searchsorted(self.starts, drawn, side="right") - 1
         begin = np.where(k >= 0, self.starts[np.maximum(k, 0)], 0)
         ends = np.append(self.starts, n)
@@ -444,13 +457,18 @@ class TokenData:
                 "corrupt); re-run atom prepare"
             )
         flags = np.memmap(path, dtype=np.uint8, mode="r")
-        if not any((flags[i : i + (1 << 26)] & LEARN).any() for i in range(0, n_tokens, 1 << 26)):
+        block, starts, learned = 1 << 26, [], False  # in blocks: no split-sized temporaries
+        for i in range(0, n_tokens, block):
+            part = flags[i : i + block]
+            learned = learned or bool((part & LEARN).any())
+            starts.append(np.flatnonzero(part & START) + i)
+        if not learned:
             raise DataError(
                 f"{path}: no token of the {name.removesuffix('.bin')} split is to be learned "
                 "(records with prompts and no answers); add assistant turns or completions, "
                 "or prepare with --learn-prompts"
             )
-        return _DocumentIndex(flags, np.flatnonzero(flags & START))
+        return _DocumentIndex(flags, np.concatenate(starts) if starts else np.zeros(0, np.int64))
 
     def _open(self, name: str, n_tokens: int, dtype: np.dtype) -> np.memmap:
         path = self.data_dir / name

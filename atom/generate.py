@@ -52,8 +52,10 @@ def end_of_turn(render) -> str:
     return after.strip()
 
 
-def _codec(spec: str):
-    """(encode, decode, end-of-text id or None) of a run's tokenizer."""
+def _codec(spec: str, chat: bool = False):
+    """(encode, decode, end-of-text id or None) of a run's tokenizer. `chat`: the template
+    writes the special tokens (no second BOS from the tokenizer), and they are decoded as
+    text so the end-of-turn marker can be seen."""
     if spec.startswith("tokenizers:"):
         from tokenizers import Tokenizer
 
@@ -61,7 +63,14 @@ def _codec(spec: str):
 
         path = _tokenizer_json(spec)
         tok = Tokenizer.from_file(str(path))
-        return (lambda s: tok.encode(s).ids), (lambda ids: tok.decode(ids)), eos_token_id(path, tok)
+
+        def encode(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=not chat).ids
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=not chat)
+
+        return encode, decode, eos_token_id(path, tok)
     return (lambda s: list(s.encode())), (lambda ids: bytes(ids).decode(errors="replace")), None
 
 
@@ -96,7 +105,7 @@ def generate(
     for name, p in params.items():
         p.copy_(ckpt.get(name))
     spec = ckpt.meta.get("data", {}).get("tokenizer", "byte")
-    encode, decode, eos = _codec(spec)
+    encode, decode, eos = _codec(spec, chat)
     stop = None
     if chat:
         render = chat_template(_tokenizer_json(spec))

@@ -243,10 +243,13 @@ def jsonl_chunks(path: Path, tok, learn_prompts: bool = False) -> Iterator:
                 raise DataError(f"{path}:{lineno} {e}") from None
             if learn_prompts:
                 pieces = [(text, True) for text, _ in pieces]
+            # the end is learned with the answer it ends: after a record with nothing to
+            # learn (a chat with no assistant turn) it would teach stopping after a prompt
+            answered = any(flag and text for text, flag in pieces)
             if eos is None:
-                pieces.append(("\n\n", True))
+                pieces.append(("\n\n", answered))
             ids, learn = tok.encode_pieces(pieces, path)
             if eos is not None and not (eos_text and pieces and pieces[-1][0].endswith(eos_text)):
                 ids = np.concatenate([ids, np.asarray([eos], dtype=ids.dtype)])
-                learn = np.concatenate([learn, np.ones(1, dtype=learn.dtype)])
+                learn = np.concatenate([learn, np.full(1, answered, dtype=learn.dtype)])
             yield ids, learn

@@ -131,19 +131,21 @@ def load_tokenizer(spec: str) -> TextEncoder:
 
     def encode_pieces(pieces, src: Path):
         """The whole record in one encode (tokens across a prompt/answer boundary are those
-        of the whole text), each token learned when its first character is; a record over
-        ~1 MB piece by piece."""
+        of the whole text), each token learned when any of its characters is: byte-level
+        BPE folds the space before an answer into its first token ("Ġ" + "Paris"), and
+        that token is the answer's; a record over ~1 MB piece by piece."""
         text = "".join(t for t, _ in pieces)
         if len(text) > PIECE_CHARS:
             parts = [(encode(t.encode("utf-8"), src), flag) for t, flag in pieces]
             learn = [np.full(len(ids), flag, dtype=np.uint8) for ids, flag in parts]
             return np.concatenate([ids for ids, _ in parts]), np.concatenate(learn)
-        chars = np.concatenate(
-            [np.full(len(t), flag, dtype=np.uint8) for t, flag in pieces] + [np.zeros(1, np.uint8)]
-        )
+        chars = np.concatenate([np.full(len(t), flag, dtype=np.int64) for t, flag in pieces])
+        learned_before = np.concatenate([[0], np.cumsum(chars)])  # learned chars before i
         enc = tok.encode(text, add_special_tokens=False)
-        first = np.asarray([start for start, _ in enc.offsets], dtype=np.int64)
-        return np.asarray(enc.ids, dtype=dtype), chars[np.minimum(first, len(text))]
+        span = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2).clip(0, len(text))
+        end = np.maximum(span[:, 1], np.minimum(span[:, 0] + 1, len(text)))  # >= 1 char
+        learn = (learned_before[end] - learned_before[span[:, 0]]) > 0
+        return np.asarray(enc.ids, dtype=dtype), learn.astype(np.uint8)
 
     return TextEncoder(
         f"{_TOKENIZERS_PREFIX}{path}", vocab, encode, eos_token_id(path, tok), encode_pieces

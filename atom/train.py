@@ -27,6 +27,7 @@ from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, 
 from atom.config import Config, ConfigError, ModelConfig, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
+from atom.model.documents import IGNORE
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,10 @@ class Trainer:
     # ------------------------------------------------------------ loop
     def evaluate(self) -> float:
         batches = self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch)
+        if batches and len(batches[0]) > 2:  # documents: each batch weighs its learned tokens
+            weights = [float((b[1] != IGNORE).sum()) for b in batches]
+            if sum(weights) > 0:
+                return self.engine.evaluate(batches, weights)
         return self.engine.evaluate(batches)
 
     def _stop_gossip(self) -> None:

@@ -21,6 +21,10 @@ the CPU's), and a race detector checks what the real GPU would have been free to
   the streams create; host memory (the host store, the pinned arena, batches) is written
   by host code in program order and is not tracked. A storage freed and reallocated
   starts a new history (what `record_stream` guards on a GPU is not modelled).
+
+Not checked: host threads reading pinned memory a device stream wrote (the host worker
+consuming D2H staging buffers after `wait_host`): host threads other than the compute
+thread run unwatched, and host memory has no history.
 """
 
 from __future__ import annotations
@@ -160,7 +164,9 @@ class FakeStream:
             self.sim.merge(self.name, event.snapshot)
 
     def synchronize(self) -> None:
-        self.sim.merge(self.sim.current().name, dict(self.sim.clocks[self.name]))
+        with self.sim._lock:
+            snapshot = dict(self.sim.clocks[self.name])
+        self.sim.merge(self.sim.current().name, snapshot)
 
 
 class FakeEvent:
@@ -246,12 +252,13 @@ def install(monkeypatch) -> StreamSimulator:
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
 
     def synchronize(device=None) -> None:
-        everything = {}
-        for clock in list(sim.clocks.values()):
-            for name, tick in clock.items():
-                everything[name] = max(everything.get(name, 0), tick)
-        for name in list(sim.clocks):
-            sim.merge(name, everything)
+        with sim._lock:  # RLock: merge takes it again
+            everything: dict[str, int] = {}
+            for clock in sim.clocks.values():
+                for name, tick in clock.items():
+                    everything[name] = max(everything.get(name, 0), tick)
+            for name in list(sim.clocks):
+                sim.merge(name, everything)
 
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
 
@@ -271,4 +278,8 @@ def cuda_backend(monkeypatch, staging_numel: int, dtype=torch.float32):
     backend.device = torch.device("cpu")  # tensors live in host memory; streams are fake
     alloc = backend.alloc_device
     backend.alloc_device = lambda numel, dt: sim.device_tensor(alloc(numel, dt))
+    # `.to(device)` makes a new device tensor on a GPU; on the CPU it would return the
+    # pinned buffer itself, which the offload pool hands out again
+    fetch = backend.fetch
+    backend.fetch = lambda t: fetch(t).clone()
     return backend, sim

@@ -127,6 +127,33 @@ def test_chat_template_of_the_checkpoint_marks_assistant_turns(tmp_path):
     assert "Name a colour." in read and "<|start|>assistant\n" in read and "Blue" not in read
 
 
+def test_an_answer_token_that_takes_the_prompts_space_is_learned(tmp_path):
+    """Byte-level BPE folds the space ending a prompt into the answer's first token
+    ("Ġ" + "Paris"): that token is the answer's and is learned."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(["The capital of France is Paris. "] * 50, trainer)
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    record = {"prompt": "The capital of France is ", "completion": "Paris."}
+    meta = prepare([_write(tmp_path / "r.jsonl", [record] * 4)], tmp_path / "d",
+                   str(tmp_path / "tok"), val_fraction=0.25, progress=False)  # fmt: skip
+    ids = np.concatenate([np.fromfile(tmp_path / "d" / n, dtype=meta.dtype)
+                          for n in ("train.bin", "val.bin")])  # fmt: skip
+    _, flags = _all(tmp_path / "d")
+    first = ids[: len(ids) // 4]  # one record
+    learned = [int(i) for i, f in zip(first, flags[: len(first)], strict=True) if f & LEARN]
+    assert tok.decode(learned, skip_special_tokens=False) == " Paris.<|endoftext|>"
+
+
 def test_windows_keep_documents_apart_and_ignore_prompts(tmp_path):
     prepare([_write(tmp_path / "r.jsonl", RECORDS, times=30)], tmp_path / "d", progress=False)
     T = 256  # longer than every record (the chat is ~200 bytes)
@@ -184,13 +211,37 @@ def test_val_split_begins_at_a_document(tmp_path):
 
 
 def test_records_with_nothing_to_learn_are_refused_at_load(tmp_path):
-    prompts = [{"prompt": "p" * 40, "completion": ""}] * 20
-    prepare([_write(tmp_path / "r.jsonl", prompts)], tmp_path / "d", progress=False)
-    # only the blank line after each record is learned here; a dataset with none at all:
-    flags = tmp_path / "d" / "train.flags"
-    flags.write_bytes(bytes(b & ~LEARN & 0xFF for b in flags.read_bytes()))
+    """Prompts with no answers (and chats with no assistant turn): not even the end of
+    the text is learned (it would teach stopping after a prompt), so the split has
+    nothing to learn, said in one line at load."""
+    records = [{"prompt": "p" * 40, "completion": ""},
+               {"messages": [{"role": "user", "content": "hello?"}]}] * 20  # fmt: skip
+    prepare([_write(tmp_path / "r.jsonl", records)], tmp_path / "d", progress=False)
+    _, flags = _all(tmp_path / "d")
+    assert not (flags & LEARN).any()
     with pytest.raises(DataError, match="no token of the train split is to be learned"):
         TokenData(tmp_path / "d", seq_len=16, seed=0)
+
+
+def test_one_long_conversation_still_gives_windows(tmp_path):
+    """A val split inside one document (no document starts in it) reads plain windows."""
+    long_chat = {"messages": [{"role": "user", "content": "q " * 50},
+                              {"role": "assistant", "content": "a " * 2000}]}  # fmt: skip
+    prepare([_write(tmp_path / "r.jsonl", [long_chat])], tmp_path / "d", progress=False)
+    assert not (np.fromfile(tmp_path / "d" / "val.flags", dtype=np.uint8) & START).any()
+    data = TokenData(tmp_path / "d", seq_len=32, seed=0)
+    x, y, pos = data.val_batches(1, 4)[0]
+    assert x.shape == (4, 32) and (pos[:, 0] == 0).all() and (y != IGNORE).any()
+
+
+def test_val_split_begins_at_the_document_start_nearest_the_cut(tmp_path):
+    """A long record then short ones: val is cut at the nearest start, on either side."""
+    records = [{"text": "x" * 2000}, {"text": "ab"}, {"text": "cd"}]
+    meta = prepare([_write(tmp_path / "r.jsonl", records)], tmp_path / "d", val_fraction=0.6,
+                   progress=False)  # fmt: skip
+    # 2010 bytes (each record and its blank line): planned val 1206, cut at 804; the
+    # starts are 0, 2002, 2006: the nearest one after token 0 is 2002
+    assert meta.train_tokens == 2002 and meta.val_tokens == 8
 
 
 def test_missing_or_truncated_flags_are_one_line(tmp_path):

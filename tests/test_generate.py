@@ -67,8 +67,8 @@ def test_generation_stops_at_the_end_of_text_token(tmp_path, monkeypatch):
     first = gen.generate(run, "a", 1, temperature=0.0, top_k=1).text[-1:]  # greedy's pick
     real = gen._codec
 
-    def with_eos(spec):
-        encode, decode, _ = real(spec)
+    def with_eos(spec, chat=False):
+        encode, decode, _ = real(spec, chat)
         return encode, decode, ord(first)
 
     monkeypatch.setattr(gen, "_codec", with_eos)
@@ -135,3 +135,60 @@ def test_system_without_chat_is_one_line(tmp_path, capsys):
     run = _run_dir(tmp_path, {})
     assert main(["generate", str(run), "--system", "x"]) == 2
     assert "add --chat" in capsys.readouterr().err
+
+
+def test_chat_with_a_bpe_tokenizer_stops_at_a_special_end_of_turn(tmp_path, monkeypatch):
+    """The end-of-turn marker is a special token of the tokenizer: it is seen (decoded as
+    text) and stops the reply; the template's BOS is the only one (no second from the
+    tokenizer)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    import atom.generate as gen
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(["Name a colour. Blue. more"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<s>", "chat_template": template}))  # fmt: skip
+    cfg = tiny_config(model={"seq_len": 64, "vocab_size": 300})
+    net = materialize(build_model(cfg.model), seed=1)
+    meta = {
+        "config": cfg.to_dict(),
+        "data": {"tokenizer": f"tokenizers:{tok_dir / 'tokenizer.json'}"},
+    }
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, [("unit_000", dict(net.named_parameters()))], meta)
+    script = tok.encode("Blue.", add_special_tokens=False).ids + [tok.token_to_id("<|im_end|>")]
+    script += tok.encode(" more", add_special_tokens=False).ids
+    seen = []
+
+    def scripted(model, idx, T, cache):
+        seen.append(idx[0].tolist())
+        logits = torch.full((1, 300), -1e9)
+        logits[0, script[len(seen) - 1]] = 0.0
+        return logits
+
+    monkeypatch.setattr(gen, "_next_logits", scripted)
+    out = gen.generate(run, "Name a colour.", 20, chat=True)
+    assert seen[0].count(bos) == 1 and seen[0][0] == bos
+    assert out.reply == "Blue." and out.stopped_at_eos
+    assert out.tokens == len(script) - len(tok.encode(" more", add_special_tokens=False).ids)

@@ -47,3 +47,16 @@ def test_a_section_the_budget_cannot_fit_is_skipped_with_a_line(tmp_path):
         assert sections[name]["status"] == "skipped"
         assert "out of the time budget" in sections[name]["why"]
         assert "--budget" in sections[name]["why"]
+
+
+def test_a_child_past_its_time_is_killed_with_its_children():
+    """A section's child that hangs (and its own children holding the output pipe, as a
+    compiler DeepSpeed starts would) is killed at its timeout, whole."""
+    import time
+
+    script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+              "'import time; time.sleep(60)']); time.sleep(60)")  # fmt: skip
+    t0 = time.monotonic()
+    code, out = gpu_check._child(["-c", script], timeout=2)
+    assert code == 124 and "timed out after 2 s" in out
+    assert time.monotonic() - t0 < 15

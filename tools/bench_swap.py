@@ -139,11 +139,14 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
     if resident_too:
         from atom.resident import ResidentEngine
 
+        fits = True
         try:
             resident = ResidentEngine(cfg, device, dtype, recompute=cfg.swap.checkpoint)
             blocks["resident"] = Block(resident, cfg, sync)
             blocks["resident"].run(1)
         except torch.cuda.OutOfMemoryError:
+            fits = False  # freed below: the exception's traceback holds the model here
+        if not fits:
             log.warning("resident training does not fit: out of device memory")
             blocks.pop("resident", None)
             resident = None
@@ -154,11 +157,14 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
     swapped_steps = 0
     for _ in range(rounds):
         for name in list(blocks):
+            fits = True
             try:
                 times[name].append(blocks[name].run(steps))
                 if name == "swapped":
                     swapped_steps += steps
             except torch.cuda.OutOfMemoryError:
+                fits = False
+            if not fits:  # outside the except block, so the failed step can be freed
                 log.warning("resident training does not fit: out of device memory")
                 del blocks[name], times[name]
                 resident = None

@@ -138,17 +138,19 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [*args.overrides, f"train.micro_batch={micro}",
                      f"train.grad_accum={args.batch // micro}"]  # fmt: skip
         cfg = load_config(args.config, overrides)
+        oom = None
         try:
             result = run(cfg, args.stage, args.steps, recompute=args.recompute)
             break
         except torch.cuda.OutOfMemoryError as err:
-            tried.append(micro)
-            if micro == 1 or args.batch % (micro // 2):
-                result = {"stage": args.stage, "error": f"out of device memory at micro-batch "
-                          f"{tried}: {str(err)[:200]}"}  # fmt: skip
-                break
-            micro //= 2
-            _release()
+            oom = str(err)[:200]  # not the exception: its traceback holds the failed engine
+        tried.append(micro)
+        _release()  # outside the except block, where the failed attempt can be freed
+        if micro == 1 or args.batch % (micro // 2):
+            result = {"stage": args.stage,
+                      "error": f"out of device memory at micro-batch {tried}: {oom}"}  # fmt: skip
+            break
+        micro //= 2
     result["out_of_memory_at"] = tried
     print(json.dumps(result))
     return 0

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -147,20 +148,27 @@ def _child(args: list[str], timeout: float, env: dict | None = None) -> tuple[in
     """Run a child python; its output (last part) and exit code. A hang is killed."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     timeout = max(1.0, min(timeout, seconds_left() - 1))  # never past the budget
+    # its own process group: a timeout kills the grandchildren too (a compiler DeepSpeed
+    # started would otherwise hold the pipes open past the budget)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, *args],
-            cwd=ROOT,
-            env=full_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        return proc.returncode, (proc.stdout + proc.stderr)[-6000:]
-    except subprocess.TimeoutExpired as err:
-        out = (err.stdout or b"") + (err.stderr or b"")
-        out = out.decode(errors="replace") if isinstance(out, bytes) else out
-        return 124, f"timed out after {timeout:.0f} s\n" + out[-6000:]
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out[-6000:]
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
+        return 124, f"timed out after {timeout:.0f} s\n" + (out or "")[-6000:]
 
 
 # ----------------------------------------------------------------------------- sections
@@ -593,6 +601,10 @@ def main(argv: list[str] | None = None) -> int:
         train_child(plan, config, gpu_mem, int(steps), dry == "--dry-run", argv[6:])
         return 0
     if argv and argv[0] == "--section-child":  # one section, its result to a file
+        if "GPU_CHECK_OUT" not in os.environ or len(argv) < 3:
+            print("gpu_check: --section-child is gpu_check's own; run python -m "
+                  "tools.gpu_check OUT_DIR", file=sys.stderr)  # fmt: skip
+            return 2
         name, args = argv[1], json.loads(argv[2])
         result = call_section(SECTIONS[name], *args)
         path = Path(os.environ["GPU_CHECK_OUT"]) / "sections" / f"{name}.json"

@@ -274,8 +274,9 @@ class SwapEngine:
                     st.loss_sum += loss.detach()
                     self._accumulate(u, grads, plan.runs[pos], st)
                 else:
+                    docs = st.docs.pop(m) if u == 0 else st.docs[m]  # its masks go with it
                     st.grad_h[m], grads = self._backward_unit(
-                        u, m, flat, st.grad_h.pop(m), st.saved, st.docs[m]
+                        u, m, flat, st.grad_h.pop(m), st.saved, docs
                     )
                     self._accumulate(u, grads, plan.runs[pos], st)
                 self._advance(plan, pos, u)
