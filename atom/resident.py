@@ -12,10 +12,10 @@ from contextlib import nullcontext
 
 import torch
 
-from atom.config import Config
+from atom.config import Config, ConfigError
+from atom.engine import SharedUnit, StepResult
 from atom.model import build_model, lm_loss, materialize
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
-from atom.swap.engine import StepResult
 from atom.swap.units import micro_batch
 
 
@@ -139,6 +139,10 @@ class ResidentEngine:
                 state = init_state(self.opt, p, steps)
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key].copy_(get(f"optim.{key}.{name}"))
+
+    def shared_units(self) -> list[SharedUnit]:
+        raise ConfigError("gossip averages the host master weights of the swap engine; "
+                          "drop --resident")  # fmt: skip
 
     def device_peak_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -167,7 +167,7 @@ class Trainer:
         if cfg.gossip.enabled:  # peers: listen, join, copy the group's weights and step
             from atom.gossip.peer import attach_gossip
 
-            self.gossip = attach_gossip(cfg, self.engine, self.out, self.start_step, resident)
+            self.gossip = attach_gossip(cfg, self.engine.shared_units(), self.out, self.start_step)
             self.start_step = self.gossip.step
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"

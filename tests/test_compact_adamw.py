@@ -267,7 +267,7 @@ def test_peers_merge_into_compact_master_and_compensation():
     cfg = tiny_config(swap={"state": "compact"})
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     try:
-        params = UnitParams(engine)
+        params = UnitParams(engine.shared_units())
         unit = params.units[1]
         before = params.snapshot(unit)
         assert before.dtype == torch.float32

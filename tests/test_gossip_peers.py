@@ -41,7 +41,7 @@ def group():
         settings.update(FAST)
         settings.update(gossip)
         gcfg = replace(cfg, gossip=settings).gossip
-        peer = GossipPeer(gcfg, UnitParams(engine), None, 0, samples_per_step=4)
+        peer = GossipPeer(gcfg, UnitParams(engine.shared_units()), None, 0, samples_per_step=4)
         peer.engine = engine
         made.append(peer)
         if start:
@@ -63,7 +63,7 @@ def initial_weights(seed: int) -> torch.Tensor:
     """A peer's weights before any gossip (init depends only on the seed)."""
     engine = build_engine(tiny_config(train={"seed": seed}))
     try:
-        params = UnitParams(engine)
+        params = UnitParams(engine.shared_units())
         return torch.cat([params.snapshot(u) for u in params.units])
     finally:
         engine.close()

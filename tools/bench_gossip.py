@@ -256,7 +256,7 @@ def responder(out: Path, mbps: float, d_model: int, seconds: float) -> int:
 
     cfg = _peer_config(d_model, link_mbps=mbps, name="responder")
     engine = build_engine(cfg)
-    peer = GossipPeer(cfg.gossip, UnitParams(engine), out, 0, 8)
+    peer = GossipPeer(cfg.gossip, UnitParams(engine.shared_units()), out, 0, 8)
     try:
         peer.start()
         peer.join()
@@ -290,7 +290,7 @@ def bench_throughput(work: Path, rates: list[float], n_exchanges: int, d_model: 
                 d_model, link_mbps=mbps, name="initiator", join=status(run)["endpoint"]
             )
             engine = build_engine(cfg)
-            peer = GossipPeer(cfg.gossip, UnitParams(engine), None, 0, 8)
+            peer = GossipPeer(cfg.gossip, UnitParams(engine.shared_units()), None, 0, 8)
             peer.start()
             peer.join()
             partner = peer.table.get("responder")

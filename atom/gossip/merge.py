@@ -1,10 +1,11 @@
 """What a completed exchange does to a unit's fp32 master weights.
 
-UnitParams is the averager's only door into the engine: per unit, a snapshot (a copy
-taken under the unit's lock) and `add` (master += delta under the lock, then
-refresh_compute so the copy that crosses the bus and any tied alias follow). The host
-optimizer and the H2D copy thread take the same lock, so a merge lands between two
-optimizer updates of the unit and never under a copy in flight.
+UnitParams is all the averager has of the model: the engine's shared units
+(atom.engine.SharedUnit, from `Engine.shared_units()`; gossip never sees an engine), per
+unit a snapshot (a copy taken under the unit's lock) and `add` (master += delta under the
+lock; the copy that crosses the bus and any tied alias follow). The host optimizer and
+the H2D copy thread take the same lock, so a merge lands between two optimizer updates of
+the unit and never under a copy in flight.
 
 Both strategies are *delta-preserving*: the change is computed against the snapshot we
 sent, and added to whatever master holds by then, so optimizer steps taken while the
@@ -22,44 +23,34 @@ from __future__ import annotations
 
 import torch
 
+from atom.engine import SharedUnit
 from atom.gossip.wire import fingerprint
 
 
 class UnitParams:
-    """The units of a SwapEngine's host store that own parameters."""
+    """The shared units that own parameters, by index."""
 
-    def __init__(self, engine) -> None:
-        self.store = engine.store
-        self.buffers = engine.store.buffers
-        self.n_units = len(self.buffers)
+    def __init__(self, shared: list[SharedUnit]) -> None:
+        self.shared = shared
+        self.n_units = len(shared)
         # the tied head owns nothing but its final norm; a unit owning nothing is skipped
-        self.units = [i for i, b in enumerate(self.buffers) if b.spec.n_owned > 0]
-        self.fingerprint = fingerprint(
-            (b.spec.index, [(p.full_name, p.shape) for p in b.spec.owned]) for b in self.buffers
-        )
+        self.units = [s.index for s in shared if s.numel > 0]
+        self.fingerprint = fingerprint((s.index, list(s.params)) for s in shared)
 
     def numel(self, unit: int) -> int:
-        return self.buffers[unit].spec.n_owned
+        return self.shared[unit].numel
 
     def total_numel(self) -> int:
         return sum(self.numel(u) for u in self.units)
 
     def snapshot(self, unit: int) -> torch.Tensor:
-        buf = self.buffers[unit]
-        with buf.lock:
-            return self.store.read_master(unit)
+        return self.shared[unit].read()
 
     def add(self, unit: int, delta: torch.Tensor) -> None:
-        buf = self.buffers[unit]
-        with buf.lock:
-            self.store.add_master(unit, delta)
-            self.store.refresh_compute(unit)
+        self.shared[unit].add(delta)
 
     def load(self, unit: int, values: torch.Tensor) -> None:
-        buf = self.buffers[unit]
-        with buf.lock:
-            self.store.write_master(unit, values)
-            self.store.refresh_compute(unit)
+        self.shared[unit].write(values)
 
 
 def relative_disagreement(local: torch.Tensor, diff: torch.Tensor) -> float:

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from atom.config import Config, ConfigError
+from atom.engine import SharedUnit
 from atom.gossip.averager import Averager, GossipError
 from atom.gossip.codecs import get_codec
 from atom.gossip.keys import GroupKeys, load_bundle, start_authenticator
@@ -408,16 +409,13 @@ class GossipPeer:
 
 
 def attach_gossip(
-    cfg: Config, engine, run_dir: Path, start_step: int, resident: bool = False
+    cfg: Config, shared: list[SharedUnit], run_dir: Path, start_step: int
 ) -> GossipPeer:
-    """Start gossip for a Trainer: listen, join and pull state before the first step."""
-    if resident or not hasattr(engine, "store"):
-        raise ConfigError(
-            "gossip averages the host master weights of the swap engine; drop --resident"
-        )
+    """Start gossip for a Trainer over the engine's shared units: listen, join and pull
+    state before the first step."""
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     samples_per_step = cfg.train.micro_batch * cfg.train.grad_accum
-    peer = GossipPeer(cfg.gossip, UnitParams(engine), run_dir, start_step, samples_per_step)
+    peer = GossipPeer(cfg.gossip, UnitParams(shared), run_dir, start_step, samples_per_step)
     try:
         peer.start()
         peer.join()

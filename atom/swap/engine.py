@@ -31,6 +31,7 @@ import torch
 
 from atom.compact_adamw import ChunkScratch, CompactAdamW
 from atom.config import Config
+from atom.engine import SharedUnit, StepResult
 from atom.model import build_model
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
 from atom.swap.backend import Backend
@@ -50,13 +51,6 @@ def _sq_norm(t: torch.Tensor) -> float:
     if t.dtype == torch.float32:
         return float(torch.dot(t, t))
     return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float | None
-    skipped: bool = False
 
 
 @dataclass
@@ -584,6 +578,10 @@ class SwapEngine:
                         flat = gather_owned(buf.spec, get, f"optim.{key}.")
                         opt.load_state_flat(key, flat, steps)
                 self.store.refresh_compute(u)
+
+    def shared_units(self) -> list[SharedUnit]:
+        """Every unit's weights, for peers to average (under the units' locks)."""
+        return [self.store.shared_unit(i) for i in range(len(self.units))]
 
     def device_peak_bytes(self) -> int:
         return self.backend.peak_allocated() or self.ledger.peak

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom.config import ModelConfig
+from atom.engine import SharedUnit
 from atom.model import init_parameter
 from atom.swap.backend import Backend
 from atom.swap.units import UnitSpec
@@ -162,6 +163,28 @@ class HostStore:
                 if owner == index:
                     src = buf.master[offset : offset + entry.numel]
                     other.compute[entry.offset : entry.offset + entry.numel].copy_(src)
+
+    def shared_unit(self, index: int) -> SharedUnit:
+        """Unit `index` as peers see it (atom.engine.SharedUnit): fp32 read, add and
+        write of its master, each under the unit's lock, the compute copy refreshed."""
+        buf = self.buffers[index]
+
+        def read() -> torch.Tensor:
+            with buf.lock:
+                return self.read_master(index)
+
+        def add(delta: torch.Tensor) -> None:
+            with buf.lock:
+                self.add_master(index, delta)
+                self.refresh_compute(index)
+
+        def write(values: torch.Tensor) -> None:
+            with buf.lock:
+                self.write_master(index, values)
+                self.refresh_compute(index)
+
+        params = tuple((p.full_name, p.shape) for p in buf.spec.owned)
+        return SharedUnit(index, params, buf.spec.n_owned, read, add, write)
 
     def fold_alias_grads(self, index: int) -> None:
         """Add the gradients that alias holders computed for this unit's params."""

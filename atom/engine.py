@@ -1,0 +1,64 @@
+"""What the trainer and the peers see of an engine.
+
+Two engines train a model: the swap engine (atom/swap/, the product: the model lives in
+host memory and streams through the device) and the resident engine (atom/resident.py,
+plain PyTorch with the whole model on the device: the reference the tests compare
+against). The trainer drives either through `Engine`; peers average what
+`Engine.shared_units` hands them and never see an engine: a unit's weights as a flat fp32
+vector, read, added to and written under the unit's own lock (the host optimizer and the
+copies to the device take the same lock, so a merge lands between two updates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float | None
+    skipped: bool = False
+
+
+@dataclass(frozen=True)
+class SharedUnit:
+    """One unit's parameters as peers see them: `numel` fp32 values, the flat layout of
+    `params` ((full name, shape) in order), behind three calls that each take the unit's
+    lock: `read()` a copy, `add(delta)` master += delta, `write(values)` master = values
+    (the copy that crosses the bus, and any tied alias, follow)."""
+
+    index: int
+    params: tuple[tuple[str, tuple[int, ...]], ...]
+    numel: int
+    read: Callable[[], torch.Tensor]
+    add: Callable[[torch.Tensor], None]
+    write: Callable[[torch.Tensor], None]
+
+
+class Engine(Protocol):
+    """One optimizer step at a time over micro-batches (x, y) or (x, y, positions)."""
+
+    def train_step(
+        self, batches: list[tuple], lr: float, stop: Callable[[], bool] | None = None
+    ) -> StepResult: ...
+
+    def evaluate(self, batches: list[tuple], weights: list[float] | None = None) -> float: ...
+
+    def named_parameters(self) -> dict[str, torch.Tensor]: ...
+
+    def state_files(self) -> Iterator: ...
+
+    def shared_units(self) -> list[SharedUnit]:
+        """What peers may average (ConfigError where the engine cannot share)."""
+        ...
+
+    def device_peak_bytes(self) -> int: ...
+
+    def wait_idle(self) -> None: ...
+
+    def close(self) -> None: ...
