@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tools import gpu_check
+from tools import gpu_check, gpu_proc
 
 
 @pytest.mark.slow
@@ -57,6 +57,6 @@ def test_a_child_past_its_time_is_killed_with_its_children():
     script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
               "'import time; time.sleep(60)']); time.sleep(60)")  # fmt: skip
     t0 = time.monotonic()
-    code, out = gpu_check._child(["-c", script], timeout=2)
+    code, out = gpu_proc.run_child(["-c", script], timeout=2)
     assert code == 124 and "timed out after 2 s" in out
     assert time.monotonic() - t0 < 15
