@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from atom.config import ConfigError, load_config
+from atom.config.gossip import is_loopback, parse_rates
 from atom.gossip.codecs import BLOCK, CODECS, decode_checked, get_codec, roundtrip
 from atom.gossip.keys import keygen, load_bundle
 from atom.gossip.membership import PeerState, PeerTable
 from atom.gossip.merge import DiLoCoMerge, GossipMerge
 from atom.gossip.selection import FlowSelector, RandomSelector
-from atom.gossip.settings import is_loopback, parse_rates
 from atom.gossip.shaping import LinkShaper, TokenBucket
 from atom.gossip.wire import (
     PROTOCOL,

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from atom.config import Config, ConfigError
+from atom.config.gossip import GossipConfig, endpoint_host, is_loopback, parse_rates
 from atom.engine import SharedUnit
 from atom.gossip.averager import Averager, GossipError
 from atom.gossip.codecs import get_codec
@@ -33,7 +34,6 @@ from atom.gossip.keys import GroupKeys, load_bundle, start_authenticator
 from atom.gossip.membership import Membership, PeerState, PeerTable, handle_control
 from atom.gossip.merge import UnitParams, make_merge
 from atom.gossip.selection import make_selector
-from atom.gossip.settings import GossipConfig, endpoint_host, is_loopback, parse_rates
 from atom.gossip.shaping import LinkShaper
 from atom.gossip.status import Counters, LogLimiter, PeerLog, write_status
 from atom.gossip.transport import MISMATCHES, Client, Incoming, Reply, Server

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from atom.gossip.settings import CODECS, check_endpoint
+from atom.config.gossip import CODECS, check_endpoint
 
 PROTOCOL = 1
 MAX_HEADER_BYTES = 64 * 1024

@@ -16,10 +16,10 @@ from typing import Any
 
 import yaml
 
+from atom.config.gossip import GossipConfig
 from atom.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here too)
-from atom.gossip.settings import GossipConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")  # train.logger (atom/loggers.py)
 
 

@@ -2,8 +2,8 @@
 
 Gossip is on when `listen` is set (`atom train --listen tcp://HOST:PORT`). Validation is
 here (ValueError, turned into one-line errors by atom.config) so that a bad value is
-refused before any socket is opened. This module imports nothing from atom: atom.config
-imports it.
+refused before any socket is opened. Part of the ground floor with the rest of
+atom.config: it imports nothing from atom.
 """
 
 from __future__ import annotations
