@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from atom.config import ConfigError
-from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli.py, tools/
+from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli/, tools/
 
 log = logging.getLogger(__name__)
 
@@ -386,22 +386,4 @@ def _measure(
         measured=True,
         unit_overhead_s=overhead,
         compact_adam_s_per_param=compact,
-    )
-
-
-if __name__ == "__main__":  # python -m profiler.hardware compact [--threads N]
-    import argparse
-
-    ap = argparse.ArgumentParser(description="measure the host update, compact vs fp32")
-    ap.add_argument("what", choices=["compact"])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
-    compact = measure_compact_update() * 1e9
-    fp32 = measure_host_optimizer(8_000_000, torch.bfloat16)[0] * 1e9
-    print(
-        f"{torch.get_num_threads()} thread(s): compact update {compact:.2f} ns/param; fp32 "
-        f"update (norm, fused AdamW, bf16 refresh) {fp32:.2f} ns/param; {compact / fp32:.1f}x"
     )

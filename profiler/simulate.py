@@ -1,6 +1,6 @@
 """Cost model: tokens/s and time-to-loss of atom, GPipe pipeline parallel and synchronous
 data parallel for a group of peers joined by a link matrix. `atom simulate` is its
-command line (atom/simulate.py); tools/bench_vs_pipeline.py validates it.
+command line (atom/cli/simulate.py); tools/bench_vs_pipeline.py validates it.
 
 Inputs come from the profiler: per-block forward/backward time at a micro-batch size
 (measured, or estimated from FLOPs for a stated GPU), host<->device bandwidth and the host

@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,3 +144,16 @@ class TimingCache:
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.data, indent=1))
         os.replace(tmp, self.path)
+
+
+def scaled_times(table: dict[int, PieceTimes]) -> Callable[[int], PieceTimes]:
+    """Piece times for any micro-batch from the nearest measured one, scaled by size."""
+
+    def times(mb: int) -> PieceTimes:
+        if mb in table:
+            return table[mb]
+        near = min(table, key=lambda b: abs(b - mb))
+        t, r = table[near], mb / near
+        return PieceTimes(t.block_fwd * r, t.block_bwd * r, t.head * r, t.embed * r)
+
+    return times

@@ -27,17 +27,16 @@ def predictions(work: Path, profile: dict, rates: list[float], peers: int, chunk
     import torch
 
     from atom.config import load_config
-    from atom.simulate import _scaled_times
     from profiler.cost import Candidate
     from profiler.hardware import HardwareSpec
     from profiler.simulate import Links, Machine, Workload, simulate
-    from profiler.timing import PieceTimes
+    from profiler.timing import PieceTimes, scaled_times
     from tools.baselines.settings import ATOM_ONLY, overrides
 
     cfg = load_config(None, overrides() + [f"swap.checkpoint={ATOM_ONLY['swap.checkpoint']}"])
     hw = HardwareSpec.from_dict(profile["hardware"])
     table = {int(k): PieceTimes(**v) for k, v in profile["pieces"].items()}
-    m = Machine(hw, torch.float32, _scaled_times(table), scale)
+    m = Machine(hw, torch.float32, scaled_times(table), scale)
     s = cfg.swap
     plan = Candidate(s.layers_per_unit, s.prefetch, cfg.train.micro_batch, 1, s.checkpoint,
                      s.offload_activations)  # fmt: skip

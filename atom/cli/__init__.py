@@ -1,7 +1,10 @@
-"""`atom` command line: train, prepare, generate.
+"""`atom` command line: the face. Only this package prints to the user or exits; the
+library below it logs and raises.
 
 User-caused errors (bad config, missing file, corrupt checkpoint, bad data) print one
-line `atom: error: ...` and exit 2; internal bugs keep their traceback.
+line `atom: error: ...` and exit 2; internal bugs keep their traceback. The peer
+commands (keygen, peers, the train flags) are in peers.py, `atom simulate` in
+simulate.py.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import sys
 import threading
 from pathlib import Path
 
-from atom import simulate as simulate_command
+from atom.cli import peers as gossip_commands
+from atom.cli import simulate as simulate_command
 from atom.errors import AtomError, ConfigError, DataError
-from atom.gossip import commands as gossip_commands
 from atom.run_config import load_run_config, resume_changes, resume_run_config
 
 USER_ERRORS = (AtomError,)

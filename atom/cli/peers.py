@@ -1,6 +1,6 @@
 """The command-line side of peers: `atom train` flags, `atom keygen`, `atom peers`.
 
-atom/cli.py calls these hooks, so everything about peers' flags lives here:
+atom/cli/__init__.py calls these hooks, so everything about peers' flags lives here:
 
     atom train --listen tcp://HOST:PORT [--join tcp://HOST:PORT ...] [--group-key DIR]
                [--insecure]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from atom.config import Config, ConfigError, replace
@@ -103,20 +102,6 @@ def add_command(sub) -> None:
 
 
 # ------------------------------------------------------------------ inputs
-def _scaled_times(table: dict[int, object]) -> Callable[[int], object]:
-    """Piece times for any micro-batch from the nearest measured one, scaled by size."""
-    from profiler.timing import PieceTimes
-
-    def times(mb: int) -> PieceTimes:
-        if mb in table:
-            return table[mb]
-        near = min(table, key=lambda b: abs(b - mb))
-        t, r = table[near], mb / near
-        return PieceTimes(t.block_fwd * r, t.block_bwd * r, t.head * r, t.embed * r)
-
-    return times
-
-
 def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, sizes: list[int],
             scale: float):  # fmt: skip
     """(Machine, label) for one --hardware value."""
@@ -164,7 +149,7 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
         hw.device_mem = gpu_mem
     if host_mem is not None:
         hw.host_mem = host_mem
-    return Machine(hw, dtype, _scaled_times(table), scale), label
+    return Machine(hw, dtype, timing.scaled_times(table), scale), label
 
 
 def _link_sets(args, peers: int):
