@@ -10,24 +10,19 @@ import base64
 import binascii
 import json
 import logging
-import math
-import os
-import signal
-import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from atom.config import Config, ConfigError, ModelConfig, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
 from atom.model.documents import IGNORE
+from atom.run_log import RunLog
+from atom.signals import Interrupts
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +166,7 @@ class Trainer:
             self.start_step = self.gossip.step
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        self._trim_metrics(self.start_step)
+        RunLog.trim(self.out, self.start_step)
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         from atom.loggers import make_loggers
 
@@ -245,19 +240,6 @@ class Trainer:
             keep=max(1, self.cfg.train.keep_checkpoints),
         )
 
-    def _trim_metrics(self, start: int) -> None:
-        """On resume, drop records of steps the checkpoint does not include."""
-        if not self.metrics_path.exists():
-            return
-        kept = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= start:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                pass  # a line cut short by a killed run
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
-
     # ------------------------------------------------------------ loop
     def evaluate(self) -> float:
         batches = self.data.val_batches(self.cfg.train.eval_batches, self.cfg.train.micro_batch)
@@ -304,22 +286,16 @@ class Trainer:
             )
         end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)
         summary = RunSummary(steps=self.start_step)
-        bar = tqdm(
-            total=end,
-            initial=self.start_step,
-            disable=not self.progress,
-            unit="step",
-            dynamic_ncols=True,
-            file=sys.stderr,
-        )
+        self.run_log = RunLog(self.out, self.start_step, end, self.progress, self.loggers,
+                              tc.log_interval)  # fmt: skip
         rates: list[float] = []
         self._saved_step = None
-        with _Interrupts() as interrupts:
+        with Interrupts() as interrupts:
             try:
-                self._loop(summary, end, bar, interrupts, rates)
+                self._loop(summary, end, interrupts, rates)
             except KeyboardInterrupt:
                 try:
-                    bar.close()
+                    self.run_log.close_bar()
                     self._stop_gossip()  # goodbye first: no merge lands while it is written
                     if self._saved_step == summary.steps:  # stopped right after a save
                         self.interrupt_checkpoint = summary.checkpoint
@@ -337,7 +313,7 @@ class Trainer:
                 finally:
                     self._close()
                 raise
-            bar.close()
+            self.run_log.close_bar()
             self._stop_gossip()
             if summary.steps > self.start_step and self._saved_step != summary.steps:
                 with interrupts.saving():
@@ -353,91 +329,63 @@ class Trainer:
 
     def _close(self) -> None:
         try:
-            for logger in self.loggers:
-                logger.close()
+            if getattr(self, "run_log", None) is not None:
+                self.run_log.close()  # the metrics file and every logger
+            else:
+                for logger in self.loggers:
+                    logger.close()
         finally:
             self.engine.close()
 
-    def _loop(self, summary: RunSummary, end: int, bar, interrupts: _Interrupts, rates) -> None:
-        """Steps start_step..end, with metrics, evaluation and checkpoints."""
+    def _loop(self, summary: RunSummary, end: int, interrupts: Interrupts, rates) -> None:
+        """Steps start_step..end: a step, its record, evaluation and checkpoints on their
+        cadence; the record is told by the run log (file, loggers, terminal)."""
         from atom.optim import lr_at
 
         tc = self.cfg.train
         tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
         t_prev = time.perf_counter()
-        with self.metrics_path.open("a") as metrics:
-            for step in range(self.start_step, end):
-                interrupts.at_step_boundary()
-                batches = [
-                    self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)
-                ]
-                lr = lr_at(step, tc)
-                result = self.engine.train_step(batches, lr, stop=interrupts.abandon_step)
-                now = time.perf_counter()
-                dt, t_prev = now - t_prev, now
-                rate = tokens_per_step / dt
-                rates.append(rate)
-                record = {
-                    "step": step + 1,
-                    "loss": result.loss,
-                    "lr": lr,
-                    "tokens_per_s": rate,
-                    "step_time_s": dt,
-                    "device_peak_bytes": self.engine.device_peak_bytes(),
-                }
-                if result.grad_norm is not None:
-                    record["grad_norm"] = result.grad_norm
-                if self.prediction:
-                    record["predicted_step_s"] = self.prediction["step_s"]
-                    record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
-                if result.skipped:
-                    record["skipped"] = True
-                if self.gossip is not None:
-                    self.gossip.after_step(step + 1)
-                    record["gossip"] = self.gossip.record()
-                done = step + 1
-                if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
-                    record["val_loss"] = self.evaluate()
-                    summary.val_loss = record["val_loss"]
-                    t_prev = time.perf_counter()  # eval time is not step time
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                for logger in self.loggers:
-                    logger.log(record)
-                summary.history.append(record)
-                summary.steps, summary.last_loss = done, result.loss
-                bar.update(1)
-                if "val_loss" in record:  # said as measured, whatever the log cadence
-                    val = record["val_loss"]
-                    line = (
-                        f"step {done}: val loss {val:.4f} (perplexity "
-                        f"{math.exp(min(val, 50)):.2f}), train loss {result.loss:.4f}"
-                    )
-                    if self.progress:
-                        bar.write(f"atom: {line}", file=sys.stderr)
-                    else:
-                        log.info(line)
-                if not self.progress and (done % tc.log_interval == 0 or done == end):
-                    log.info(
-                        "step %d/%d loss %.4f lr %.2e %.0f tokens/s device %s",
-                        done,
-                        end,
-                        result.loss,
-                        lr,
-                        rate,
-                        _human(record["device_peak_bytes"]),
-                    )
-                bar.set_postfix(
-                    loss=f"{result.loss:.4f}",
-                    tok_s=f"{rate:,.0f}",
-                    dev=_human(record["device_peak_bytes"]),
-                    **(self.gossip.postfix() if self.gossip is not None else {}),
-                    refresh=False,
-                )
-                if tc.ckpt_interval and done % tc.ckpt_interval == 0:
-                    with interrupts.saving():
-                        summary.checkpoint, self._saved_step = self.save(done), done
-                    t_prev = time.perf_counter()
+        for step in range(self.start_step, end):
+            interrupts.at_step_boundary()
+            batches = [self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)]
+            lr = lr_at(step, tc)
+            result = self.engine.train_step(batches, lr, stop=interrupts.abandon_step)
+            now = time.perf_counter()
+            dt, t_prev = now - t_prev, now
+            rates.append(tokens_per_step / dt)
+            record = self._record(step + 1, result, lr, rates[-1], dt)
+            if self.gossip is not None:
+                self.gossip.after_step(step + 1)
+                record["gossip"] = self.gossip.record()
+            done = step + 1
+            if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
+                record["val_loss"] = summary.val_loss = self.evaluate()
+                t_prev = time.perf_counter()  # eval time is not step time
+            self.run_log.step(record, self.gossip.postfix() if self.gossip is not None else {})
+            summary.history.append(record)
+            summary.steps, summary.last_loss = done, result.loss
+            if tc.ckpt_interval and done % tc.ckpt_interval == 0:
+                with interrupts.saving():
+                    summary.checkpoint, self._saved_step = self.save(done), done
+                t_prev = time.perf_counter()
+
+    def _record(self, done: int, result, lr: float, rate: float, dt: float) -> dict:
+        record = {
+            "step": done,
+            "loss": result.loss,
+            "lr": lr,
+            "tokens_per_s": rate,
+            "step_time_s": dt,
+            "device_peak_bytes": self.engine.device_peak_bytes(),
+        }
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        if self.prediction:
+            record["predicted_step_s"] = self.prediction["step_s"]
+            record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
+        if result.skipped:
+            record["skipped"] = True
+        return record
 
 
 LONG_STEP_WARN_S = 60.0
@@ -457,76 +405,3 @@ def _matmul_flops(device, dtype: torch.dtype = torch.float32) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * 1024**3 / max(best, 1e-9)
-
-
-class _Interrupts:
-    """Ctrl+C (and SIGTERM, which the CLI routes here) takes effect where nothing is lost:
-
-    - between steps: the step under way finishes, is saved, and the run stops;
-    - inside a long step (one that has run for LONG_STEP_S): the step is abandoned between
-      two unit visits, within seconds, and the last finished step is saved;
-    - during a checkpoint save: the save finishes; the third Ctrl+C abandons it (the
-      half-written directory is removed, the previous checkpoint stays).
-    A second Ctrl+C outside a save interrupts at once (the engine abandons the step cleanly)."""
-
-    LONG_STEP_S = 2.0
-    ABANDON_SAVE_AFTER = 3
-
-    def __enter__(self) -> _Interrupts:
-        self.pending = False
-        self.presses_while_saving = 0
-        self.save_abandoned = False
-        self._saving = False
-        self._step_started = time.monotonic()
-        self._installed = (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
-        if self._installed:
-            signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        # no logging here (the main thread may hold logging's lock): os.write is safe
-        if self._saving:
-            self.pending = True  # the run stops once the checkpoint is written
-            self.presses_while_saving += 1
-            left = self.ABANDON_SAVE_AFTER - self.presses_while_saving
-            if left <= 0:
-                self.save_abandoned = True
-                raise KeyboardInterrupt
-            os.write(2, f"atom: writing a checkpoint; Ctrl+C {left} more time(s) abandons "
-                        "it (the previous one stays)\n".encode())  # fmt: skip
-            return
-        if self.pending:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def at_step_boundary(self) -> None:
-        if self.pending:
-            raise KeyboardInterrupt
-        self._step_started = time.monotonic()
-
-    def abandon_step(self) -> bool:
-        """Asked by the engine between unit visits."""
-        return self.pending and time.monotonic() - self._step_started > self.LONG_STEP_S
-
-    @contextmanager
-    def saving(self):
-        self._saving, self.presses_while_saving = True, 0
-        try:
-            yield
-        finally:
-            self._saving = False
-
-    def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)

@@ -250,7 +250,7 @@ def test_validation_loss_is_said_as_it_is_measured(tmp_path, text_dataset, caplo
     cfg = tiny_config(
         train={"max_steps": 6, "eval_interval": 3, "log_interval": 5, "data": str(text_dataset)}
     )
-    with caplog.at_level(logging.INFO, logger="atom.train"):
+    with caplog.at_level(logging.INFO, logger="atom"):
         Trainer(cfg, tmp_path / "run", progress=False).run()
     said = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
     assert [m.split(":")[0] for m in said] == ["step 3", "step 6"]
