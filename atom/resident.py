@@ -140,6 +140,12 @@ class ResidentEngine:
                 for key in ("exp_avg", "exp_avg_sq"):
                     state[key].copy_(get(f"optim.{key}.{name}"))
 
+    def run_state(self) -> dict:
+        return {"loss_scale": None, "clip": None}  # plain PyTorch's own: nothing carried
+
+    def load_run_state(self, state: dict) -> None:
+        pass
+
     def shared_units(self) -> list[SharedUnit]:
         raise ConfigError("gossip averages the host master weights of the swap engine; "
                           "drop --resident")  # fmt: skip

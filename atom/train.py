@@ -200,11 +200,7 @@ class Trainer:
             steps = int(meta.get("optimizer_steps", 0))
             rng = meta.get("rng", {})
             _set_rng_state(rng if isinstance(rng, dict) else {"torch": rng})
-            scale = meta.get("loss_scale")
-            scale = float(scale) if scale else None
-            clip = meta.get("clip") or {}
-            if not self.resident:
-                self.engine.load_clip_state(dict(clip))
+            self.engine.load_run_state({k: meta.get(k) for k in ("loss_scale", "clip")})
         except (ValueError, TypeError, RuntimeError, binascii.Error) as err:
             older = [p for p in list_checkpoints(ckpt.path.parent) if p != ckpt.path]
             fix = f"resume from an older one: --resume {older[-1]}" if older else "start anew"
@@ -213,12 +209,9 @@ class Trainer:
             ) from None
         self.engine.load_state(get, steps > 0, steps)
         self.start_step = ckpt.step
-        if scale and getattr(self.engine, "scaler", None) is not None and not self.resident:
-            self.engine.scaler.scale = scale
         log.info("resumed from %s at step %d", ckpt.path, self.start_step)
 
     def save(self, step: int) -> Path:
-        scaler = getattr(self.engine, "scaler", None)
         meta = {
             "config": self.cfg.to_dict(),
             "engine": "resident" if self.resident else "swap",
@@ -229,8 +222,7 @@ class Trainer:
             },
             "optimizer_steps": self.engine.optimizer_steps(),
             "rng": _rng_state(),
-            "loss_scale": getattr(scaler, "scale", None) if not self.resident else None,
-            "clip": None if self.resident else self.engine.clip_state(),
+            **self.engine.run_state(),  # loss_scale, clip
         }
         return save_checkpoint(
             self.out,

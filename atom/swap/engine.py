@@ -553,19 +553,23 @@ class SwapEngine:
         self.wait_idle()
         return self.optimizers[0].steps
 
-    def clip_state(self) -> dict:
-        """What swap.update=eager carries from one step to the next (the previous step's
-        norm and the clip coefficient it set), for checkpoints: without it a resumed eager
-        run clips its first step differently from the run that never stopped."""
+    def run_state(self) -> dict:
+        """A checkpoint's small state: the fp16 loss scale, and what swap.update=eager
+        carries between steps (the last norm and the clip coefficient it set: without
+        them a resumed eager run clips its first step unlike the unbroken run)."""
         self.wait_idle()
-        return {"eager_norm": self._eager_norm, "eager_coef": self._eager_coef}
+        clip = {"eager_norm": self._eager_norm, "eager_coef": self._eager_coef}
+        return {"loss_scale": self.scaler.scale if self.scaler else None, "clip": clip}
 
-    def load_clip_state(self, state: dict) -> None:
+    def load_run_state(self, state: dict) -> None:
         """Raises ValueError/TypeError for values that are not numbers (a damaged meta)."""
-        if state:
-            norm = state.get("eager_norm")
+        clip, scale = state.get("clip") or {}, state.get("loss_scale")
+        if clip:
+            norm = clip.get("eager_norm")
             self._eager_norm = None if norm is None else float(norm)
-            self._eager_coef = float(state.get("eager_coef", 1.0))
+            self._eager_coef = float(clip.get("eager_coef", 1.0))
+        if scale and self.scaler is not None:
+            self.scaler.scale = float(scale)
 
     def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
         """Copy weights (and optimizer state) from a checkpoint, by model name."""
