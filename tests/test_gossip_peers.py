@@ -19,10 +19,10 @@ import zmq.auth
 
 from atom.config import replace
 from atom.gossip.averager import GossipError
-from atom.gossip.keys import keygen
 from atom.gossip.merge import UnitParams
+from atom.gossip.net.keys import keygen
+from atom.gossip.net.wire import PROTOCOL
 from atom.gossip.peer import GossipPeer
-from atom.gossip.wire import PROTOCOL
 from atom.train import build_engine
 from tests.conftest import tiny_config
 

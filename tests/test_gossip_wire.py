@@ -17,13 +17,12 @@ import torch
 
 from atom.config import ConfigError, load_config
 from atom.config.gossip import is_loopback, parse_rates
-from atom.gossip.codecs import BLOCK, CODECS, decode_checked, get_codec, roundtrip
-from atom.gossip.keys import keygen, load_bundle
 from atom.gossip.membership import PeerState, PeerTable
 from atom.gossip.merge import DiLoCoMerge, GossipMerge
-from atom.gossip.selection import FlowSelector, RandomSelector
-from atom.gossip.shaping import LinkShaper, TokenBucket
-from atom.gossip.wire import (
+from atom.gossip.net.codecs import BLOCK, CODECS, decode_checked, get_codec, roundtrip
+from atom.gossip.net.keys import keygen, load_bundle
+from atom.gossip.net.shaping import LinkShaper, TokenBucket
+from atom.gossip.net.wire import (
     PROTOCOL,
     Expect,
     Rejected,
@@ -32,6 +31,7 @@ from atom.gossip.wire import (
     pack,
     parse_header,
 )
+from atom.gossip.selection import FlowSelector, RandomSelector
 
 EXPECT = Expect("open:test", "f" * 24, 5)
 

@@ -75,7 +75,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from atom.gossip.keys import keygen
+    from atom.gossip.net.keys import keygen
 
     names = [n.strip() for n in args.peers.split(",") if n.strip()]
     bundles = keygen(Path(args.dir), names)

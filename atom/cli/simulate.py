@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         cfg = load_run_config(name, args.overrides)
         batch = args.batch or cfg.train.micro_batch * cfg.train.grad_accum
         chunks = _chunks(args.peers, batch, args.chunks)
-        from atom.gossip.codecs import get_codec
+        from atom.gossip.net.codecs import get_codec
 
         codec = get_codec(args.codec or cfg.gossip.codec)
         w = Workload(args.peers, batch, chunks, codec.wire_bytes,

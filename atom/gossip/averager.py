@@ -29,13 +29,13 @@ from typing import Any
 import torch
 
 from atom.config import ConfigError
-from atom.gossip.codecs import Codec, decode_checked, get_codec, roundtrip
 from atom.gossip.membership import PeerState, PeerTable, ewma
 from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
+from atom.gossip.net.codecs import Codec, decode_checked, get_codec, roundtrip
+from atom.gossip.net.transport import Client, Incoming, Reply
+from atom.gossip.net.wire import Rejected
 from atom.gossip.selection import Selector
 from atom.gossip.status import Counters
-from atom.gossip.transport import Client, Incoming, Reply
-from atom.gossip.wire import Rejected
 
 MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
 

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom.gossip.transport import Client, Incoming
-from atom.gossip.wire import MAX_LISTED
+from atom.gossip.net.transport import Client, Incoming
+from atom.gossip.net.wire import MAX_LISTED
 
 EWMA = 0.3  # weight of a new link measurement
 FORGET_AFTER_S = 600.0  # drop dead peers from the table (seeds are still retried)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from atom.engine import SharedUnit
-from atom.gossip.wire import fingerprint
+from atom.gossip.net.wire import fingerprint
 
 
 class UnitParams:

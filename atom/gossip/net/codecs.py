@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from atom.gossip.wire import Rejected
+from atom.gossip.net.wire import Rejected
 
 BLOCK = 64
 

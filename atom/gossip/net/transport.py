@@ -27,10 +27,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from atom.gossip.keys import GroupKeys, secure_client, secure_server
-from atom.gossip.shaping import LinkShaper
-from atom.gossip.status import Counters, LogLimiter
-from atom.gossip.wire import (
+from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
+from atom.gossip.net.shaping import LinkShaper
+from atom.gossip.net.wire import (
     MAX_HEADER_BYTES,
     Expect,
     Rejected,
@@ -38,6 +37,7 @@ from atom.gossip.wire import (
     pack,
     parse_header,
 )
+from atom.gossip.status import Counters, LogLimiter
 
 log = logging.getLogger(__name__)
 
