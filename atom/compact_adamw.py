@@ -40,7 +40,7 @@ import math
 import torch
 
 from atom.config import TrainConfig
-from atom.optim import ADAM_EPS
+from atom.optim import ADAM_EPS, Region
 
 BLOCK = 256
 CHUNK = 1 << 20  # elements per pass; a multiple of BLOCK
@@ -143,8 +143,6 @@ class CompactAdamW:
 
     def regions(self) -> list:
         """The unit's cold state for the disk tier: master, comp, codes and scales."""
-        from atom.swap.disk_tier import Region
-
         n, p = self.n, padded(self.n)
         return [
             Region(torch.bfloat16, n, [(self.master, 0, (n,))]),

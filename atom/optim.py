@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +20,17 @@ log = logging.getLogger(__name__)
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 ADAM_EPS = 1e-8
+
+
+@dataclass
+class Region:
+    """One contiguous run of a unit's cold state as its optimizer lays it out for the
+    NVMe tier (atom/swap/disk_tier.py): `numel` elements of `dtype`, and the tensor
+    objects that view it (each at an element offset, with a shape)."""
+
+    dtype: torch.dtype
+    numel: int
+    views: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -136,8 +148,6 @@ class TorchUnitOptimizer:
     def regions(self) -> list:
         """The unit's cold state for the disk tier: master (with the two group views of
         it), then each moment over the same layout."""
-        from atom.swap.disk_tier import Region
-
         n, k = self.n_owned, self.n_decay
         parts = [(p, 0 if p is self.decay else k, (k if p is self.decay else n - k,))
                  for p in self._params]  # fmt: skip

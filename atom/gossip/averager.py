@@ -32,10 +32,10 @@ from atom.config import ConfigError
 from atom.gossip.membership import PeerState, PeerTable, ewma
 from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
 from atom.gossip.net.codecs import Codec, decode_checked, get_codec, roundtrip
+from atom.gossip.net.counters import Counters
 from atom.gossip.net.transport import Client, Incoming, Reply
 from atom.gossip.net.wire import Rejected
 from atom.gossip.selection import Selector
-from atom.gossip.status import Counters
 
 MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
 

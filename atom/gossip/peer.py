@@ -32,12 +32,13 @@ from atom.gossip.averager import Averager, GossipError
 from atom.gossip.membership import Membership, PeerState, PeerTable, handle_control
 from atom.gossip.merge import UnitParams, make_merge
 from atom.gossip.net.codecs import get_codec
+from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Client, Incoming, Reply, Server
 from atom.gossip.net.wire import PROTOCOL, Expect, Rejected
 from atom.gossip.selection import make_selector
-from atom.gossip.status import Counters, LogLimiter, PeerLog, write_status
+from atom.gossip.status import PeerLog, write_status
 
 log = logging.getLogger(__name__)
 SUMMARY_EVERY_S = 60.0  # a one-line view of the group in the log (atom peers has the table)

@@ -30,28 +30,18 @@ import queue
 import shutil
 import threading
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from atom.errors import ConfigError
+from atom.optim import Region
 from atom.swap.pinned import ALIGN  # a page: O_DIRECT wants aligned buffers, offsets, lengths
 from atom.swap.pinned import page_aligned as _aligned
 
 log = logging.getLogger(__name__)
 
 PREFIX = "atom-tier-"
-
-
-@dataclass
-class Region:
-    """One contiguous run of a record: `numel` elements of `dtype`, and the tensor objects
-    that view it (each at an element offset, with a shape)."""
-
-    dtype: torch.dtype
-    numel: int
-    views: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 class UnitRecord:

@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.wire import (
@@ -37,7 +38,6 @@ from atom.gossip.net.wire import (
     pack,
     parse_header,
 )
-from atom.gossip.status import Counters, LogLimiter
 
 log = logging.getLogger(__name__)
 
