@@ -15,8 +15,8 @@ import torch
 from atom.config import Config, ConfigError
 from atom.engine import SharedUnit, StepResult
 from atom.model import build_model, lm_loss, materialize
+from atom.model.documents import micro_batch
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
-from atom.swap.units import micro_batch
 
 
 class ResidentEngine:

@@ -99,3 +99,11 @@ def positions_in_documents(starts: torch.Tensor) -> torch.Tensor:
     first = torch.where(starts, i, torch.zeros_like(i))
     first[:, 0] = 0
     return i - torch.cummax(first, dim=1).values
+
+
+def micro_batch(batch: tuple, device) -> tuple:
+    """A micro-batch (x, y), or (x, y, positions) for rows packed with documents, on the
+    device as (x, y, Documents or None)."""
+    x, y = (t.to(device, non_blocking=True) for t in batch[:2])
+    docs = Documents.on(batch[2], device, non_blocking=True) if len(batch) > 2 else None
+    return x, y, docs

@@ -33,6 +33,7 @@ from atom.compact_adamw import ChunkScratch, CompactAdamW
 from atom.config import Config
 from atom.engine import SharedUnit, StepResult
 from atom.model import build_model
+from atom.model.documents import micro_batch
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
 from atom.swap.backend import Backend
 from atom.swap.disk_tier import DiskTier, UnitRecord
@@ -41,7 +42,7 @@ from atom.swap.host_worker import HostWorker
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan
 from atom.swap.slots import DeviceSlots, MemoryLedger
-from atom.swap.units import UnitSpec, micro_batch, param_leaves, partition, run_unit
+from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 
 log = logging.getLogger(__name__)
 
@@ -381,9 +382,8 @@ class SwapEngine:
         which copies or adds it into the unit's fp32 host gradient."""
         buf = self.store.buffers[u]
         transfer = self.backend.d2h(p_grad, self.backend.record())
-        nbytes = (
-            p_grad.nbytes if isinstance(p_grad, torch.Tensor) else sum(g.nbytes for g in p_grad)
-        )
+        grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
+        nbytes = sum(g.nbytes for g in grads)
         self.ledger.sub(nbytes)
         self.d2h_copies += 1
         self.d2h_bytes += nbytes

@@ -163,11 +163,3 @@ def run_unit(
     for (module, attr), tensor in zip(unit.bindings, params, strict=True):
         module._parameters[attr] = tensor
     return unit.module(h, targets, docs)
-
-
-def micro_batch(batch: tuple, device) -> tuple:
-    """A micro-batch (x, y), or (x, y, positions) for rows packed with documents, on the
-    device as (x, y, Documents or None)."""
-    x, y = (t.to(device, non_blocking=True) for t in batch[:2])
-    docs = Documents.on(batch[2], device, non_blocking=True) if len(batch) > 2 else None
-    return x, y, docs
