@@ -1,0 +1,79 @@
+"""The floors of docs/architecture.md hold: no module imports from a floor above its own
+(imports inside functions count), and nothing below the CLI prints or exits.
+
+    pytest tests/test_house.py
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# floor of each module or package (the longest matching prefix wins)
+FLOORS = {
+    "atom.errors": 0, "atom.config": 0, "atom.sizes": 0, "atom.device": 0, "atom.engine": 0,
+    "atom.model": 1, "atom.optim": 1, "atom.compact_adamw": 1, "atom.text": 1,
+    "atom.tokenize": 1, "atom.checkpoint": 1,
+    "atom.swap": 2, "atom.resident": 2, "atom.data": 2, "atom.hf": 2, "atom.gossip.net": 2,
+    "atom.loggers": 2,
+    "atom.gossip": 3, "profiler": 3, "atom.run_config": 3,
+    "atom.train": 4, "atom.run_log": 4, "atom.signals": 4, "atom.evaluate": 4,
+    "atom.generate": 4, "atom.plot": 4,
+    "atom.cli": 5, "atom": 5,
+}  # fmt: skip
+
+
+def floor_of(module: str) -> int | None:
+    best = None
+    for prefix in FLOORS:
+        if (module == prefix or module.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best)
+        ):
+            best = prefix
+    return None if best is None else FLOORS[best]
+
+
+def modules():
+    for top in ("atom", "profiler"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            yield name.removesuffix(".__init__"), ast.parse(path.read_text())
+
+
+def test_every_module_has_a_floor():
+    assert [name for name, _ in modules() if floor_of(name) is None] == []
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    upward = []
+    for name, tree in modules():
+        mine = floor_of(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                theirs = floor_of(target)
+                if theirs is not None and theirs > mine:
+                    upward.append(f"{name} (floor {mine}) imports {target} (floor {theirs})")
+    assert upward == []
+
+
+def test_nothing_below_the_cli_prints_or_exits():
+    found = []
+    for name, tree in modules():
+        if floor_of(name) == 5:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+                owner = getattr(getattr(f, "value", None), "id", "")
+                if called == "print" or (owner == "sys" and called == "exit"):
+                    found.append(f"{name}:{node.lineno} {owner + '.' if owner else ''}{called}")
+    assert found == []
