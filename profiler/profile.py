@@ -17,12 +17,37 @@ from profiler.planner import Plan, Scored, choose, make_plan, search, state_note
 log = logging.getLogger(__name__)
 
 
-def _stated_dtype(hw: hardware.HardwareSpec, cfg: Config) -> torch.dtype:
+def stated_dtype(hw: hardware.HardwareSpec, cfg: Config) -> torch.dtype:
     if cfg.train.dtype != "auto":
         return DTYPES[cfg.train.dtype]
     if hw.dtype != "auto":
         return DTYPES[hw.dtype]
     return torch.bfloat16 if hw.device == "cuda" else torch.float32
+
+
+def cached_hardware(
+    cfg: Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache: timing.TimingCache,
+    refresh: bool = False,
+    disk_dir: str | None = None,
+    progress: bool = False,
+) -> hardware.HardwareSpec:
+    """This machine as measured (at the transfer size of one layer's unit): from the
+    profile cache, else measured now and cached (`atom profile`, `atom simulate
+    --hardware measured`)."""
+    if cache.data.get("hardware") and not refresh:
+        hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
+        if disk_dir is not None and not hw.disk_read_bps:
+            hw.disk_read_bps, hw.disk_write_bps = hardware.measure_disk(disk_dir)
+            cache.data["hardware"] = hw.to_dict()
+        return hw
+    one_layer = replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
+    largest = ModelAnalysis.of(one_layer).largest_unit
+    hw = hardware.measure(device, largest, dtype, None, None, disk_dir, progress)
+    cache.data["hardware"] = hw.to_dict()
+    return hw
 
 
 def run_profile(
@@ -39,7 +64,7 @@ def run_profile(
         raise ConfigError("--batch must be >= 1")
     if stated is not None:
         hw = hardware.stated(stated, gpu_mem, host_mem)
-        dtype = _stated_dtype(hw, cfg)
+        dtype = stated_dtype(hw, cfg)
         if hw.matmul_flops <= 0:
             raise ConfigError(
                 "a stated hardware spec needs matmul_flops > 0 to estimate compute time"
@@ -52,22 +77,14 @@ def run_profile(
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype), refresh)
-        largest = ModelAnalysis.of(
-            replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
-        ).largest_unit
         disk_dir = cfg.swap.disk_dir
-        if cache.data.get("hardware") and not refresh:
-            hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
-            if gpu_mem is not None:
-                hw.device_mem = gpu_mem
-            if host_mem is not None:
-                hw.host_mem = host_mem
-            if disk_dir is not None and not hw.disk_read_bps:
-                hw.disk_read_bps, hw.disk_write_bps = hardware.measure_disk(disk_dir)
-                cache.data["hardware"] = hw.to_dict()
-        else:
-            hw = hardware.measure(device, largest, dtype, gpu_mem, host_mem, disk_dir, progress)
-            cache.data["hardware"] = hw.to_dict()
+        hw = cached_hardware(cfg, device, dtype, cache, refresh, disk_dir, progress)
+        if gpu_mem is not None:
+            hw.device_mem = gpu_mem
+        if host_mem is not None:
+            hw.host_mem = host_mem
+            if gpu_mem is None and hw.device == "cpu":  # the "device" shares that RAM
+                hw.device_mem = host_mem // 2
         if disk_dir is None:  # a disk measured for another run's directory is not this one's
             hw.disk_read_bps = hw.disk_write_bps = 0.0
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= target]

@@ -21,7 +21,7 @@ import json
 import logging
 from pathlib import Path
 
-from atom.config import Config, ConfigError, replace
+from atom.config import Config, ConfigError
 from atom.run_config import load_run_config
 from atom.sizes import parse_bytes
 
@@ -107,7 +107,7 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
     """(Machine, label) for one --hardware value."""
     from profiler import hardware, timing
     from profiler.analysis import ModelAnalysis
-    from profiler.profile import _stated_dtype
+    from profiler.profile import cached_hardware, stated_dtype
     from profiler.simulate import Machine
     from profiler.timing import PieceTimes
 
@@ -117,12 +117,7 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype))
-        if cache.data.get("hardware"):
-            hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
-        else:
-            largest = ModelAnalysis.of(replace(cfg, swap={"layers_per_unit": 1})).largest_unit
-            hw = hardware.measure(device, largest, dtype)
-            cache.data["hardware"] = hw.to_dict()
+        hw = cached_hardware(cfg, device, dtype, cache)
         for mb in sizes:
             if cache.pieces(mb) is None:
                 cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
@@ -134,12 +129,12 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
         hw = hardware.HardwareSpec.from_dict(data["hardware"])
         import torch  # here, not at the top: `atom --help` and `atom peers` never need it
 
-        dtype = torch.float32 if hw.device == "cpu" else _stated_dtype(hw, cfg)
+        dtype = torch.float32 if hw.device == "cpu" else stated_dtype(hw, cfg)
         table = {int(k): PieceTimes(**v) for k, v in data["pieces"].items()}
         label = f"{hw.name} ({path.name})"
     else:
         hw = hardware.stated(spec)
-        dtype = _stated_dtype(hw, cfg)
+        dtype = stated_dtype(hw, cfg)
         if hw.matmul_flops <= 0:
             raise ConfigError(f"hardware {spec}: a stated spec needs matmul_flops > 0")
         a = ModelAnalysis.of(cfg)
