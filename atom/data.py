@@ -383,6 +383,13 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> None:
             )
 
 
+def _check_size(path: Path, expected: int, why: str) -> None:
+    actual = path.stat().st_size if path.is_file() else None
+    if actual != expected:
+        found = "is missing" if actual is None else f"has {actual} bytes"
+        raise DataError(f"{path} {found} but {why} (truncated or corrupt); re-run atom prepare")
+
+
 @dataclass
 class _DocumentIndex:
     """A split's flags and where its documents start."""
@@ -449,13 +456,7 @@ class TokenData:
 
     def _open_flags(self, name: str, n_tokens: int) -> _DocumentIndex:
         path = self.data_dir / name.replace(".bin", FLAGS_SUFFIX)
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != n_tokens:
-            found = "is missing" if actual is None else f"has {actual} bytes"
-            raise DataError(
-                f"{path} {found} but the dataset has {n_tokens} tokens (truncated or "
-                "corrupt); re-run atom prepare"
-            )
+        _check_size(path, n_tokens, f"the dataset has {n_tokens} tokens")
         flags = np.memmap(path, dtype=np.uint8, mode="r")
         block, starts, learned = 1 << 26, [], False  # in blocks: no split-sized temporaries
         for i in range(0, n_tokens, block):
@@ -473,13 +474,7 @@ class TokenData:
     def _open(self, name: str, n_tokens: int, dtype: np.dtype) -> np.memmap:
         path = self.data_dir / name
         expected = n_tokens * dtype.itemsize
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != expected:
-            found = "is missing" if actual is None else f"has {actual} bytes"
-            raise DataError(
-                f"{path} {found} but meta.json expects {expected} bytes (truncated or corrupt); "
-                "re-run atom prepare"
-            )
+        _check_size(path, expected, f"meta.json expects {expected} bytes")
         split = name.removesuffix(".bin")
         if n_tokens < self.seq_len + 1:
             raise DataError(

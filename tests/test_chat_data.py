@@ -16,6 +16,7 @@ import torch
 from atom.cli import main
 from atom.data import LEARN, START, DataError, TokenData, prepare
 from atom.model.documents import IGNORE
+from tests.bpe_util import byte_level_bpe, save_tokenizer
 
 CHAT = {
     "messages": [
@@ -87,32 +88,15 @@ def test_learn_prompts_learns_everything(tmp_path):
 
 
 def test_chat_template_of_the_checkpoint_marks_assistant_turns(tmp_path):
-    pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|eot|>", "<|start|>", "<|end|>"]
-    tok.train_from_iterator(
-        [json.dumps(r) for r in RECORDS] * 20,
-        trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=specials,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    tok.save(str(tok_dir / "tokenizer.json"))
+    tok = byte_level_bpe([json.dumps(r) for r in RECORDS] * 20, ["<|eot|>", "<|start|>", "<|end|>"],
+                         vocab_size=400)  # fmt: skip
     template = (
         "{% for m in messages %}<|start|>{{ m.role }}\n{{ m.content }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
     )
-    (tok_dir / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|eot|>", "chat_template": template})
+    tok_dir = save_tokenizer(
+        tok, tmp_path / "tok", {"eos_token": "<|eot|>", "chat_template": template}
     )
     meta = prepare([_write(tmp_path / "c.jsonl", [CHAT])], tmp_path / "d", str(tok_dir),
                    val_fraction=0.01, progress=False)  # fmt: skip
@@ -130,19 +114,8 @@ def test_chat_template_of_the_checkpoint_marks_assistant_turns(tmp_path):
 def test_an_answer_token_that_takes_the_prompts_space_is_learned(tmp_path):
     """Byte-level BPE folds the space ending a prompt into the answer's first token
     ("Ġ" + "Paris"): that token is the answer's and is learned."""
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
-    tok.train_from_iterator(["The capital of France is Paris. "] * 50, trainer)
-    (tmp_path / "tok").mkdir()
-    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
-    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    tok = byte_level_bpe(["The capital of France is Paris. "] * 50, ["<|endoftext|>"])
+    save_tokenizer(tok, tmp_path / "tok", {"eos_token": "<|endoftext|>"})
     record = {"prompt": "The capital of France is ", "completion": "Paris."}
     meta = prepare([_write(tmp_path / "r.jsonl", [record] * 4)], tmp_path / "d",
                    str(tmp_path / "tok"), val_fraction=0.25, progress=False)  # fmt: skip
@@ -263,14 +236,19 @@ def test_plain_text_over_records_drops_the_old_flags(tmp_path):
     assert len(TokenData(tmp_path / "d", seq_len=16, seed=0).train_batch(0, 0, 2)) == 2
 
 
-def test_training_on_chat_records_runs_swapped(tmp_path, capsys):
+def _train_on_records(tmp_path, *sets: str) -> Path:
+    """`atom train` (swapped, CPU) on RECORDS x 40; the run directory."""
     prepare([_write(tmp_path / "r.jsonl", RECORDS, times=40)], tmp_path / "d", progress=False)
     out = tmp_path / "run"
-    args = ["train", "--out", str(out), "--set", f"train.data={tmp_path / 'd'}",
-            "--set", "model.seq_len=64", "--set", "train.max_steps=4",
-            "--set", "train.eval_interval=2", "--set", "train.device=cpu",
-            "--set", "train.dtype=fp32", "--no-progress"]  # fmt: skip
+    sets = (f"train.data={tmp_path / 'd'}", "train.device=cpu", "train.dtype=fp32", *sets)
+    args = ["train", "--out", str(out), "--no-progress", *(a for s in sets for a in ("--set", s))]
     assert main(args) == 0
+    return out
+
+
+def test_training_on_chat_records_runs_swapped(tmp_path, capsys):
+    out = _train_on_records(tmp_path, "model.seq_len=64", "train.max_steps=4",
+                            "train.eval_interval=2")  # fmt: skip
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 4 and all(np.isfinite(losses))
@@ -301,13 +279,8 @@ def test_eval_of_records_scores_only_the_answers_as_plain_pytorch_does(tmp_path)
     from atom.model import build_model, materialize
     from atom.model.documents import Documents
 
-    prepare([_write(tmp_path / "r.jsonl", RECORDS, times=40)], tmp_path / "d", progress=False)
-    out = tmp_path / "run"
-    args = ["train", "--out", str(out), "--set", f"train.data={tmp_path / 'd'}",
-            "--set", "model.seq_len=32", "--set", "train.max_steps=2",
-            "--set", "train.eval_interval=0", "--set", "train.device=cpu",
-            "--set", "train.dtype=fp32", "--no-progress"]  # fmt: skip
-    assert main(args) == 0
+    out = _train_on_records(tmp_path, "model.seq_len=32", "train.max_steps=2",
+                            "train.eval_interval=0")  # fmt: skip
     held = _write(tmp_path / "held.jsonl", RECORDS, times=3)
     r = evaluate_run(out, held, batch=3)
 

@@ -12,6 +12,7 @@ from atom.checkpoint import save_checkpoint
 from atom.generate import generate
 from atom.model import build_model, materialize
 from atom.model.kv_cache import KVCache
+from tests.bpe_util import byte_level_bpe, save_tokenizer, script_generation
 from tests.conftest import tiny_config
 
 
@@ -108,16 +109,7 @@ def test_chat_lays_out_the_prompt_and_stops_at_the_end_of_the_turn(tmp_path, mon
     import atom.generate as gen
 
     run = _run_dir(tmp_path, {})
-    script = list(b"Blue.<|im_end|>\nmore")
-    seen = []
-
-    def scripted(model, idx, T, cache):
-        seen.append(idx[0].tolist())
-        logits = torch.full((1, 256), -1e9)
-        logits[0, script[len(seen) - 1]] = 0.0
-        return logits
-
-    monkeypatch.setattr(gen, "_next_logits", scripted)
+    seen = script_generation(monkeypatch, list(b"Blue.<|im_end|>\nmore"), 256)
     out = gen.generate(run, "Name a colour.", 50, chat=True, system="Be terse.")
     prompt = (
         "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n"
@@ -141,34 +133,23 @@ def test_chat_with_a_bpe_tokenizer_stops_at_a_special_end_of_turn(tmp_path, monk
     """The end-of-turn marker is a special token of the tokenizer: it is seen (decoded as
     text) and stops the reply; the template's BOS is the only one (no second from the
     tokenizer)."""
-    pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    pytest.importorskip("tokenizers")
+    from tokenizers import processors
 
     import atom.generate as gen
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(["Name a colour. Blue. more"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    tok = byte_level_bpe(["Name a colour. Blue. more"] * 20, ["<s>", "<|im_start|>", "<|im_end|>"])
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", bos)]
     )
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    tok.save(str(tok_dir / "tokenizer.json"))
     template = (
         "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "<s>", "chat_template": template}))  # fmt: skip
+    tok_dir = save_tokenizer(tok, tmp_path / "tok", {"bos_token": "<s>", "eos_token": "<s>",
+                                                     "chat_template": template})  # fmt: skip
     cfg = tiny_config(model={"seq_len": 64, "vocab_size": 300})
     net = materialize(build_model(cfg.model), seed=1)
     meta = {
@@ -179,15 +160,7 @@ def test_chat_with_a_bpe_tokenizer_stops_at_a_special_end_of_turn(tmp_path, monk
     save_checkpoint(run, 1, [("unit_000", dict(net.named_parameters()))], meta)
     script = tok.encode("Blue.", add_special_tokens=False).ids + [tok.token_to_id("<|im_end|>")]
     script += tok.encode(" more", add_special_tokens=False).ids
-    seen = []
-
-    def scripted(model, idx, T, cache):
-        seen.append(idx[0].tolist())
-        logits = torch.full((1, 300), -1e9)
-        logits[0, script[len(seen) - 1]] = 0.0
-        return logits
-
-    monkeypatch.setattr(gen, "_next_logits", scripted)
+    seen = script_generation(monkeypatch, script, 300)
     out = gen.generate(run, "Name a colour.", 20, chat=True)
     assert seen[0].count(bos) == 1 and seen[0][0] == bos
     assert out.reply == "Blue." and out.stopped_at_eos
