@@ -17,5 +17,10 @@ class DataError(AtomError):
     """A data problem (missing or malformed input, a dataset that does not match)."""
 
 
+class TrainingError(AtomError):
+    """Training went where it must not go on (diverged or poisoned weights): the run
+    stops, the newest good checkpoint stays the newest."""
+
+
 class CheckpointError(AtomError):
     """A checkpoint is missing or unusable; the message names the path and the fix."""

@@ -20,6 +20,7 @@ from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, 
 from atom.config import Config, ConfigError, ModelConfig, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
+from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
 from atom.run_log import RunLog
 from atom.signals import Interrupts
@@ -211,7 +212,14 @@ class Trainer:
         self.start_step = ckpt.step
         log.info("resumed from %s at step %d", ckpt.path, self.start_step)
 
+    def _newest_checkpoint(self) -> Path | None:
+        found = list_checkpoints(self.out) if self.out.exists() else []
+        return found[-1] if found else None
+
     def save(self, step: int) -> Path:
+        # never over a good checkpoint with diverged or poisoned weights
+        check_weights(step, self.engine.named_parameters(), self.cfg.train.max_abs_weight,
+                      self._newest_checkpoint())  # fmt: skip
         meta = {
             "config": self.cfg.to_dict(),
             "engine": "resident" if self.resident else "swap",
@@ -337,6 +345,7 @@ class Trainer:
         tc = self.cfg.train
         tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
         t_prev = time.perf_counter()
+        losses = LossWatch()
         for step in range(self.start_step, end):
             interrupts.at_step_boundary()
             batches = [self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)]
@@ -345,6 +354,7 @@ class Trainer:
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             rates.append(tokens_per_step / dt)
+            losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
             record = self._record(step + 1, result, lr, rates[-1], dt)
             if self.gossip is not None:
                 self.gossip.after_step(step + 1)

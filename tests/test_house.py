@@ -20,7 +20,7 @@ FLOORS = {
     "atom.loggers": 2,
     "atom.gossip": 3, "profiler": 3, "atom.run_config": 3,
     "atom.train": 4, "atom.run_log": 4, "atom.signals": 4, "atom.evaluate": 4,
-    "atom.generate": 4, "atom.plot": 4,
+    "atom.generate": 4, "atom.plot": 4, "atom.guard": 4,
     "atom.cli": 5, "atom": 5,
 }  # fmt: skip
 

@@ -148,6 +148,9 @@ class TrainConfig:
     data: str = "default"  # "default" (stdlib corpus, no download) or a dir made by `atom prepare`
     # metrics besides metrics.jsonl: comma-separated csv, tensorboard, wandb (atom/loggers.py)
     logger: str = "jsonl"
+    # a weight beyond this (or not finite) means the run diverged or was poisoned: it stops,
+    # and no checkpoint is written with it (atom/guard.py)
+    max_abs_weight: float = 1e6
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "grad_accum", "max_steps", "eval_batches", "log_interval"):
@@ -163,6 +166,8 @@ class TrainConfig:
             )
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError("train.beta1 and train.beta2 must be in [0, 1)")
+        if not self.max_abs_weight > 0:
+            raise ValueError(f"train.max_abs_weight must be > 0, got {self.max_abs_weight}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("train.grad_clip and train.weight_decay must be >= 0")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):

@@ -35,6 +35,7 @@ from atom.gossip.net.codecs import Codec, decode_checked, get_codec, roundtrip
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.transport import Client, Incoming, Reply
 from atom.gossip.net.wire import Rejected
+from atom.gossip.robust import DiffGuard, safe_beta
 from atom.gossip.selection import Selector
 
 MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
@@ -76,6 +77,7 @@ class Averager:
         self._next = 0
         self._next_start = 0.0  # the lanes share one start rate: interval_s
         self._served: collections.deque[float] = collections.deque(maxlen=256)
+        self.guard = DiffGuard()  # clips or refuses what a broken or hostile peer sends
         self._threads: list[threading.Thread] = []
         self._local = threading.local()
         self._clients: list[Client] = []
@@ -216,7 +218,14 @@ class Averager:
         w_me, w_them = self.weight(), rh["weight"]
         diff = remote.sub_(snap)
         disagreement = relative_disagreement(snap, diff)
-        self.merge.merge(unit, snap, diff, w_them / (w_me + w_them))
+        try:
+            self.guard.admit(unit, snap, diff)  # clipped in place, or refused
+        except Rejected as err:
+            err.sender = partner.id
+            self.on_reject(err, reply.address)
+            self.counters.inc("exchange.failed")
+            return False
+        self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them))
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
         self.table.exchanged(
@@ -240,6 +249,9 @@ class Averager:
         unit = h["unit"]
         if unit not in self.params.units:
             raise Rejected("schema", f"unit {unit} owns no parameters")
+        if self.table.penalised(h["from"]):  # it sent something refused: not served either
+            self.counters.inc("served.refused")
+            return _refuse(base, "nack", "penalised: an earlier message was refused")
         if not self._claim(unit):
             self.counters.inc("served.busy")
             return _refuse(base, "busy", "unit in another exchange", unit)
@@ -251,6 +263,7 @@ class Averager:
             # int8 replies are deltas against the request (small numbers, small rounding);
             # fp32/bf16 replies are the snapshot itself, which nobody writes again
             metas, buffers = codec.encode(-diff if codec.name == "int8" else snap)
+            self.guard.admit(unit, snap, diff)  # after the reply is encoded from it
         except BaseException:
             self._release(unit)
             raise
@@ -262,7 +275,7 @@ class Averager:
 
         def apply() -> None:  # after the reply is on its way: merging is off the critical path
             try:
-                self.merge.merge(unit, snap, diff, w_them / (w_me + w_them))
+                self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them))
                 self.table.served_exchange(h["from"])
                 self._served.append(time.monotonic())
                 self.counters.inc("served.ok")

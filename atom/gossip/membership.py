@@ -166,6 +166,11 @@ class PeerTable:
         with self.lock:
             self.penalties[pid] = time.monotonic() + self.penalty_s
 
+    def penalised(self, pid: str) -> bool:
+        """Sent something refused lately: neither chosen nor served until it ends."""
+        with self.lock:
+            return time.monotonic() < self.penalties.get(pid, 0.0)
+
     def sweep(self) -> list[str]:
         """Mark peers we have not heard from as dead; returns the newly dead ids."""
         now = time.monotonic()

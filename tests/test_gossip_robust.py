@@ -1,0 +1,76 @@
+"""A broken or hostile peer cannot take over an honest one's weights (atom/gossip/robust.py).
+
+pytest tests/test_gossip_robust.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from atom.gossip.net.wire import Rejected
+from atom.gossip.robust import DiffGuard, safe_beta
+from tests.test_gossip_peers import group, wait_until, weights  # noqa: F401 (fixture)
+
+
+def test_a_peer_never_weighs_more_than_oneself():
+    assert safe_beta(4.0, 4.0) == 0.5
+    assert safe_beta(4.0, 1.0) == pytest.approx(0.2)
+    assert safe_beta(4.0, 1e18) == 0.5  # an absurd sample count buys nothing
+
+
+def test_guard_refuses_absurd_differences_from_the_start():
+    guard = DiffGuard()
+    mine = torch.ones(100)
+    with pytest.raises(Rejected) as err:
+        guard.admit(0, mine, torch.full((100,), 1e30))
+    assert err.value.reason == "outlier"
+    diff = torch.full((100,), 1.4)  # two independent inits differ by about this much
+    assert guard.admit(0, mine, diff) == pytest.approx(1.4) and torch.all(diff == 1.4)
+
+
+def test_guard_clips_to_the_recent_range_and_refuses_far_outside_it():
+    guard = DiffGuard(clip=3.0, reject=30.0, warmup=4)
+    mine = torch.ones(100)  # norm 10
+    for _ in range(8):
+        guard.admit(0, mine, torch.full((100,), 0.01))  # relative size 0.01
+    big = torch.full((100,), 0.05)  # 5x the median: clipped to 3x
+    guard.admit(0, mine, big)
+    assert float(torch.linalg.vector_norm(big)) / 10 == pytest.approx(0.03, rel=1e-5)
+    with pytest.raises(Rejected, match="recent median"):
+        guard.admit(0, mine, torch.full((100,), 0.5))  # 50x
+    # a run of near-outliers is clipped and remembered clipped: the median cannot creep up
+    for _ in range(40):
+        guard.admit(0, mine, torch.full((100,), 0.25))
+    with pytest.raises(Rejected):
+        guard.admit(0, mine, torch.full((100,), 5.0))
+    other = torch.full((100,), 0.5)
+    guard.admit(1, mine, other)  # units keep their own history
+    assert float(other[0]) == 0.5
+
+
+def test_huge_finite_poison_with_a_huge_weight_is_refused_and_its_sender_unserved(group):  # noqa: F811
+    """b answers with weights 1e30 and claims a weight of 1e18: a refuses the merge
+    (outlier), its weights stay what they were, b is penalised, and b's own requests to a
+    are answered with a nack until the penalty ends."""
+    a = group("a", seed=1, interval_s=60.0)
+    b = group("b", seed=2, interval_s=60.0, join=a.endpoint)
+    honest = b.averager.serve_exchange
+
+    def poisoned(incoming):
+        header, buffers, after = honest(incoming)
+        header["weight"] = 1e18
+        return header, [np.full_like(np.asarray(buffers[0]), 1e30)], after
+
+    b.averager.serve_exchange = poisoned
+    wait_until(lambda: any(p.id == "b" for p in a.table.candidates()), 5, "b known to a")
+    before = weights(a)
+    assert not a.averager.exchange(a.table.get("b"), 1)
+    assert a.counters.get("rejected.outlier") == 1
+    assert torch.equal(weights(a), before)  # nothing merged (b cannot push: a shuns it)
+    assert a.table.penalised("b") and all(p.id != "b" for p in a.table.candidates())
+    wait_until(lambda: b.table.get("a") is not None, 5, "a known to b")
+    assert not b.averager.exchange(b.table.get("a"), 1)  # a refuses to serve b
+    assert a.counters.get("served.refused") >= 1
+    assert torch.equal(weights(a), before)

@@ -1,0 +1,70 @@
+"""A run never trains on, or saves, weights that diverged or were poisoned (atom/guard.py).
+
+pytest tests/test_guard.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.checkpoint import list_checkpoints, load_checkpoint
+from atom.cli import main
+from atom.errors import TrainingError
+from atom.train import Trainer
+from tests.conftest import tiny_config
+
+
+def _poison_after(trainer: Trainer, step: int, value: float, whole: bool = False) -> None:
+    """From `step` on, one weight of the engine's host master (or the whole first
+    tensor) holds `value`: what a diverged update or a poisoned merge leaves."""
+    real = trainer.engine.train_step
+    calls = [0]
+
+    def step_then_poison(batches, lr, stop=None):
+        result = real(batches, lr, stop)
+        calls[0] += 1
+        if calls[0] >= step:
+            name, weight = next(iter(trainer.engine.named_parameters().items()))
+            if whole:
+                weight.fill_(value)
+            else:
+                weight.view(-1)[0] = value
+        return result
+
+    trainer.engine.train_step = step_then_poison
+
+
+@pytest.mark.parametrize("value", [float("nan"), 1e30])
+def test_poisoned_weights_are_never_saved_and_the_run_stops(tmp_path, text_dataset, value):
+    cfg = tiny_config(train={"max_steps": 6, "ckpt_interval": 2, "data": str(text_dataset)})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    _poison_after(trainer, 3, value)
+    with pytest.raises(TrainingError) as err:
+        trainer.run()
+    message = str(err.value)
+    assert "\n" not in message and "not saved" in message and "step_00000002" in message
+    # the step-2 checkpoint is the newest, whole and clean; nothing after it was written
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000002"]
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert all(bool(torch.isfinite(ckpt.get(n)).all()) for n in ckpt.names())
+
+
+def test_a_loss_that_stays_not_finite_stops_the_run(tmp_path, text_dataset):
+    """Poisoned weights: every step's loss is NaN and the engine skips every update (a
+    non-finite gradient norm); the run stops after three such steps, not at its end."""
+    cfg = tiny_config(train={"max_steps": 6, "ckpt_interval": 0, "data": str(text_dataset)})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    _poison_after(trainer, 1, float("inf"))  # the next forward's loss is not finite
+    with pytest.raises(TrainingError, match=r"step [45]: the loss has not been finite for 3 steps"):
+        trainer.run()
+
+
+def test_the_cli_says_it_in_one_line_with_a_non_zero_exit(tmp_path, text_dataset, capsys):
+    bad = ["train", "--out", str(tmp_path / "run"), "--no-progress",
+           "--set", f"train.data={text_dataset}", "--set", "train.max_abs_weight=1e-6",
+           "--set", "train.max_steps=2", "--set", "train.device=cpu"]  # fmt: skip
+    assert main(bad) == 2  # every weight is above 1e-6: the first save is refused
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("atom: error: step 2: weight ")
+    assert list_checkpoints(tmp_path / "run") == []
