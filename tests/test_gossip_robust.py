@@ -31,6 +31,7 @@ def test_guard_refuses_absurd_differences_from_the_start():
 
 
 def test_guard_clips_to_the_recent_range_and_refuses_far_outside_it():
+    """gossip.clip_factor 3, gossip.reject_factor 30 (off by default)."""
     guard = DiffGuard(clip=3.0, reject=30.0, warmup=4)
     mine = torch.ones(100)  # norm 10
     for _ in range(8):

@@ -89,6 +89,12 @@ class GossipConfig:
     max_message_mb: float = 0.0  # reject larger messages; 0: 1.25x the largest unit + 1 MiB
     explore: float = 0.1  # flow selection: chance of a uniform random partner
     penalty_s: float = 30.0  # a peer that sent a bad message is not chosen for this long
+    # robust merge (atom/gossip/robust.py): a difference beyond max_relative x the unit's
+    # own norm is refused; clip_factor / reject_factor (0: off) clip to, and refuse
+    # beyond, that multiple of the unit's recent median difference
+    max_relative: float = 2.0
+    clip_factor: float = 0.0
+    reject_factor: float = 0.0
     probe_kb: int = 256  # bandwidth probe sent to each new peer
 
     def __post_init__(self) -> None:
@@ -109,7 +115,10 @@ class GossipConfig:
         for name in ("timeout_s", "heartbeat_s", "dead_after_s", "join_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"gossip.{name} must be > 0, got {getattr(self, name)}")
-        for name in ("interval_s", "link_mbps", "max_message_mb", "penalty_s"):
+        if not self.max_relative > 0:
+            raise ValueError(f"gossip.max_relative must be > 0, got {self.max_relative}")
+        for name in ("interval_s", "link_mbps", "max_message_mb", "penalty_s", "clip_factor",
+                     "reject_factor"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"gossip.{name} must be >= 0, got {getattr(self, name)}")
         if self.dead_after_s <= self.heartbeat_s:

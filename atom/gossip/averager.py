@@ -63,6 +63,7 @@ class Averager:
         on_reject: Callable[[Rejected, str], None],
         plog: logging.LoggerAdapter,
         stop: threading.Event,
+        guard: DiffGuard | None = None,
     ):
         self.params, self.table, self.selector, self.merge = params, table, selector, merge
         self.codec, self.make_client, self.counters = codec, make_client, counters
@@ -77,7 +78,7 @@ class Averager:
         self._next = 0
         self._next_start = 0.0  # the lanes share one start rate: interval_s
         self._served: collections.deque[float] = collections.deque(maxlen=256)
-        self.guard = DiffGuard()  # clips or refuses what a broken or hostile peer sends
+        self.guard = guard or DiffGuard()  # refuses (or clips) what a bad peer sends
         self._threads: list[threading.Thread] = []
         self._local = threading.local()
         self._clients: list[Client] = []

@@ -37,6 +37,7 @@ from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Client, Incoming, Reply, Server
 from atom.gossip.net.wire import PROTOCOL, Expect, Rejected
+from atom.gossip.robust import DiffGuard
 from atom.gossip.selection import make_selector
 from atom.gossip.status import PeerLog, write_status
 
@@ -138,6 +139,7 @@ class GossipPeer:
             self._on_reject,
             self.log,
             self.stop,
+            DiffGuard(gcfg.clip_factor, gcfg.reject_factor, gcfg.max_relative),
         )
         probe = min(gcfg.probe_kb * 1024, self.max_bytes // 2)
         self.membership = Membership(
