@@ -165,6 +165,14 @@ class Trainer:
 
             self.gossip = attach_gossip(cfg, self.engine.shared_units(), self.out, self.start_step)
             self.start_step = self.gossip.step
+            if self.start_step >= cfg.train.max_steps:  # a group at (or claiming) step 2^62
+                self._stop_gossip()
+                self.engine.close()
+                raise ConfigError(
+                    f"the group is at step {self.start_step}, at or past this run's "
+                    f"train.max_steps ({cfg.train.max_steps}): nothing to train; raise "
+                    "--max-steps, or join another group"
+                )
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
         RunLog.trim(self.out, self.start_step)

@@ -75,3 +75,20 @@ def test_huge_finite_poison_with_a_huge_weight_is_refused_and_its_sender_unserve
     assert not b.averager.exchange(b.table.get("a"), 1)  # a refuses to serve b
     assert a.counters.get("served.refused") >= 1
     assert torch.equal(weights(a), before)
+
+
+def test_a_joiner_refuses_a_group_past_its_own_end(group, text_dataset, tmp_path):  # noqa: F811
+    """A member claiming step 10^12: the joiner would copy it and train 0 steps, exit 0;
+    it stops in one line instead."""
+    from atom.config import ConfigError
+    from atom.train import Trainer
+    from tests.conftest import tiny_config
+    from tests.test_gossip_peers import FAST
+
+    a = group("a", seed=1, interval_s=60.0)
+    a.after_step(10**12)
+    gossip = {"listen": "tcp://127.0.0.1:0", "join": a.endpoint, "name": "b", **FAST}
+    cfg = tiny_config(train={"data": str(text_dataset), "max_steps": 5}, gossip=gossip)
+    with pytest.raises(ConfigError, match=r"the group is at step 1000000000000, at or "
+                                          r"past this run's train.max_steps \(5\)"):  # fmt: skip
+        Trainer(cfg, tmp_path / "run", progress=False)
