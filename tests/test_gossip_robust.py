@@ -92,3 +92,31 @@ def test_a_joiner_refuses_a_group_past_its_own_end(group, text_dataset, tmp_path
     with pytest.raises(ConfigError, match=r"the group is at step 1000000000000, at or "
                                           r"past this run's train.max_steps \(5\)"):  # fmt: skip
         Trainer(cfg, tmp_path / "run", progress=False)
+
+
+def _hello(pid: str, peers=()):
+    return {"from": pid, "inc": 1, "ep": "tcp://127.0.0.1:9", "kind": "ping", "ready": True,
+            "step": 1, "samples": 4, "peers": list(peers)}  # fmt: skip
+
+
+def test_the_peer_table_is_bounded_and_keeps_its_live_peers():
+    """15,000 fake ids made every heartbeat list them all: the table keeps at most
+    max_peers; introductions (hearsay) never displace a live peer; a flood of ids heard
+    directly displaces only peers that never completed an exchange."""
+    from atom.gossip.membership import PeerTable
+
+    t = PeerTable("me", dead_after=60, penalty_s=10, max_peers=8)
+    for k in range(6):
+        t.heard(_hello(f"real{k}"))
+        t.exchanged(f"real{k}", 1000, 0.01, 0.0, 1e-3)  # partners that proved themselves
+    fakes = [{"id": f"fake{k}", "ep": "tcp://127.0.0.1:9", "inc": 1, "step": 1, "ready": True}
+             for k in range(15_000)]  # fmt: skip
+    t.heard(_hello("real0", fakes))  # one message introducing 15,000 others
+    assert len(t.peers) == 8 and all(f"real{k}" in t.peers for k in range(6))
+    for k in range(100):  # ids heard directly
+        t.heard(_hello(f"loud{k}"))
+    assert len(t.peers) <= 8 and all(f"real{k}" in t.peers for k in range(6))
+    assert "loud99" in t.peers  # the newest newcomer still gets a seat
+    for k in range(50_000):  # penalties are bounded too (the soonest to expire go first)
+        t.penalise(f"fake{k}")
+    assert len(t.penalties) == 4 * 8 and t.penalised("fake49999")

@@ -93,6 +93,7 @@ class GossipConfig:
     # own norm is refused; clip_factor / reject_factor (0: off) clip to, and refuse
     # beyond, that multiple of the unit's recent median difference
     max_relative: float = 2.0
+    max_peers: int = 256  # the peer table's bound (fake ids cannot grow it without end)
     clip_factor: float = 0.0
     reject_factor: float = 0.0
     probe_kb: int = 256  # bandwidth probe sent to each new peer
@@ -123,6 +124,9 @@ class GossipConfig:
                 raise ValueError(f"gossip.{name} must be >= 0, got {getattr(self, name)}")
         if self.dead_after_s <= self.heartbeat_s:
             raise ValueError("gossip.dead_after_s must exceed gossip.heartbeat_s")
+        if self.max_peers < 2 or self.wait_peers >= self.max_peers:
+            raise ValueError(f"gossip.max_peers must be >= 2 and above gossip.wait_peers, got "
+                             f"{self.max_peers}")  # fmt: skip
         if self.wait_peers < 0:
             raise ValueError(f"gossip.wait_peers must be >= 0, got {self.wait_peers}")
         if not 0 <= self.lanes <= 16:

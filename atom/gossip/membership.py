@@ -63,10 +63,16 @@ class PeerTable:
     """All state about other peers, behind one lock (read by the averager, the server's
     threads and the heartbeat thread)."""
 
-    def __init__(self, me: str, dead_after: float, penalty_s: float):
+    def __init__(self, me: str, dead_after: float, penalty_s: float, max_peers: int = 256):
         self.me = me
         self.dead_after = dead_after
         self.penalty_s = penalty_s
+        # Bounded: 15,000 fake ids made every heartbeat list them all and steps 4x slower.
+        # Full, the least recently heard dead (or gone) entry makes room; a peer heard
+        # directly may displace a live one that never completed an exchange with us (the
+        # least recently heard), never one that did; a second-hand introduction displaces
+        # no live peer.
+        self.max_peers = max_peers
         self.lock = threading.RLock()
         self.peers: dict[str, PeerState] = {}
         self.penalties: dict[str, float] = {}  # id -> monotonic time it may be chosen again
@@ -83,6 +89,8 @@ class PeerTable:
             if self.tombstones.get(pid) == h["inc"]:
                 return None  # a late message from a peer that already said goodbye
             p = self.peers.get(pid)
+            if p is None and not self._make_room(live_ok=True):
+                return None
             if p is None or p.incarnation != h["inc"]:
                 # new, or restarted: its old measurements describe another process
                 p = self.peers[pid] = PeerState(pid, h["ep"], h["inc"])
@@ -103,9 +111,29 @@ class PeerTable:
         pid = rec["id"]
         if pid == self.me or pid in self.peers or self.tombstones.get(pid) == rec["inc"]:
             return
+        if not self._make_room(live_ok=False):
+            return
         p = PeerState(pid, rec["ep"], rec["inc"], status="dead", ready=rec["ready"])
         p.step = rec["step"]
         self.peers[pid] = p  # "dead" until it answers our own ping
+
+    def _make_room(self, live_ok: bool) -> bool:
+        """Room for one more entry (called under the lock); False when there is none."""
+        if len(self.peers) < self.max_peers:
+            return True
+        never = -1.0  # never heard directly: first to go
+
+        def last(p: PeerState) -> float:
+            return p.last_heard if p.last_heard is not None else never
+
+        gone = [p for p in self.peers.values() if p.status != "alive"]
+        unproven = [p for p in self.peers.values() if p.exchanges == 0]
+        pool = gone or (unproven if live_ok else [])
+        if not pool:
+            return False
+        victim = min(pool, key=last)
+        del self.peers[victim.id]
+        return True
 
     def left(self, pid: str, inc: int) -> None:
         with self.lock:
@@ -164,7 +192,10 @@ class PeerTable:
 
     def penalise(self, pid: str) -> None:
         with self.lock:
+            self.penalties.pop(pid, None)  # re-inserted last: the dict stays in expiry order
             self.penalties[pid] = time.monotonic() + self.penalty_s
+            while len(self.penalties) > 4 * self.max_peers:  # bounded: the soonest to end go
+                del self.penalties[next(iter(self.penalties))]
 
     def penalised(self, pid: str) -> bool:
         """Sent something refused lately: neither chosen nor served until it ends."""

@@ -116,7 +116,7 @@ class GossipPeer:
         self.ctx = zmq.Context()
         self.auth = None
         self.shaper = LinkShaper(gcfg.link_mbps, parse_rates(gcfg.link_mbps_to))
-        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s)
+        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers)
         self.join_refusal: tuple[str, Rejected] | None = None  # who refused us, and why
         self.merge = make_merge(gcfg.strategy, params, gcfg)
         self.selector = make_selector(
