@@ -120,3 +120,50 @@ def test_the_peer_table_is_bounded_and_keeps_its_live_peers():
     for k in range(50_000):  # penalties are bounded too (the soonest to expire go first)
         t.penalise(f"fake{k}")
     assert len(t.penalties) == 4 * 8 and t.penalised("fake49999")
+
+
+def test_rate_limits_bound_each_sender_and_each_address():
+    from atom.gossip.net.limits import RateLimiter, RequestLimits
+
+    bucket = RateLimiter(rate=10, burst=20)
+    assert sum(bucket.allow("x", now=0.0) for _ in range(100)) == 20  # the burst, then none
+    assert sum(bucket.allow("x", now=1.0) for _ in range(100)) == 10  # a second refills 10
+    assert bucket.allow("y", now=1.0)  # other senders have their own bucket
+    limits = RequestLimits(rate=10)  # per sender burst 64; per address 10x
+    one_id = sum(limits.allow("1.2.3.4", "mallory", now=0.0) for _ in range(1000))
+    assert one_id == 64
+    rotating = sum(limits.allow("1.2.3.4", f"id{k}", now=0.0) for k in range(5000))
+    assert rotating == 640 - 64  # new ids do not escape the address's bound
+    assert RateLimiter(rate=0, burst=1).allow("z")  # 0: no limit
+    small = RateLimiter(rate=1, burst=1, max_keys=100)
+    for k in range(10_000):
+        small.allow(k)
+    assert len(small._buckets) == 100
+
+
+def test_a_pull_flood_is_dropped_past_the_rate(group):  # noqa: F811
+    """sreq (each snapshots a unit) as fast as a client can send: past the per-sender
+    limit they are dropped unanswered and counted; an honest peer still exchanges."""
+    import msgpack
+    import zmq
+
+    from tests.test_gossip_peers import good_header, raw_client
+
+    a = group("a", seed=1, interval_s=60.0, max_requests_per_s=5.0)
+    ctx = zmq.Context()
+    sock = raw_client(ctx, a.endpoint)
+    try:
+        for rid in range(300):
+            header = good_header(a, kind="sreq", rid=rid)
+            for key in ("codec", "weight", "delta", "tensors"):
+                header.pop(key)
+            sock.send_multipart([msgpack.packb(header)])
+        wait_until(lambda: a.counters.get("rejected.rate") >= 300 - 64 - 5, 10, "drops")
+        answered = 0
+        while sock.poll(300):
+            sock.recv_multipart()
+            answered += 1
+        assert answered <= 64 + 20
+    finally:
+        sock.close()
+        ctx.term()

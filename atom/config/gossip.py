@@ -94,6 +94,9 @@ class GossipConfig:
     # beyond, that multiple of the unit's recent median difference
     max_relative: float = 2.0
     max_peers: int = 256  # the peer table's bound (fake ids cannot grow it without end)
+    # exchange and state requests served per second per sender (bursts of 2 s, at least
+    # 64), ten times that per address; 0: no limit (atom/gossip/net/limits.py)
+    max_requests_per_s: float = 100.0
     clip_factor: float = 0.0
     reject_factor: float = 0.0
     probe_kb: int = 256  # bandwidth probe sent to each new peer
@@ -119,7 +122,7 @@ class GossipConfig:
         if not self.max_relative > 0:
             raise ValueError(f"gossip.max_relative must be > 0, got {self.max_relative}")
         for name in ("interval_s", "link_mbps", "max_message_mb", "penalty_s", "clip_factor",
-                     "reject_factor"):  # fmt: skip
+                     "reject_factor", "max_requests_per_s"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"gossip.{name} must be >= 0, got {getattr(self, name)}")
         if self.dead_after_s <= self.heartbeat_s:

@@ -262,6 +262,7 @@ class GossipPeer:
             shaper=self.shaper,
             counters=self.counters,
             plog=self.log,
+            max_requests_per_s=self.cfg.max_requests_per_s,
         )
         bound = self.server.start()
         self.endpoint = self.cfg.advertise or advertised(bound)

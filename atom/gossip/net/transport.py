@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
+from atom.gossip.net.limits import RequestLimits
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.wire import (
     MAX_HEADER_BYTES,
@@ -89,8 +90,10 @@ class Server:
         counters: Counters,
         plog: logging.LoggerAdapter,
         workers: int = 2,
+        max_requests_per_s: float = 0.0,
     ):
         self.ctx, self.bind, self.expect, self.keys = ctx, bind, expect, keys
+        self.limits = RequestLimits(max_requests_per_s)  # heavy requests, per sender
         self.max_bytes = max_bytes
         self.inline, self.heavy, self.heavy_kinds = inline, heavy, heavy_kinds
         self.make_header = make_header  # a reply header to `incoming` of a given kind
@@ -214,6 +217,12 @@ class Server:
         incoming = Incoming(header, parts[1:], nbytes, address)
         self.counters.inc(f"recv.{header['kind']}")
         if header["kind"] in self.heavy_kinds:
+            if not self.limits.allow(address, header["from"]):
+                self.counters.inc("rejected.rate")
+                self.limiter.warning(f"rate:{address}", "dropping requests from %s at %s: "
+                                     "over the per-sender rate limit (gossip."
+                                     "max_requests_per_s)", header["from"], address)  # fmt: skip
+                return
             try:
                 self._jobs.put_nowait((ident, incoming))
             except queue.Full:
