@@ -23,7 +23,7 @@ from atom.checkpoint import CheckpointError, load_checkpoint
 from atom.config import Config
 from atom.model import build_model, materialize
 from atom.model.kv_cache import KVCache
-from atom.text import chat_template
+from atom.text import chat_template, tokenizer_json
 
 
 @dataclass
@@ -39,10 +39,6 @@ class Generated:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def _tokenizer_json(spec: str) -> Path | None:
-    return Path(spec.split(":", 1)[1]) if spec.startswith("tokenizers:") else None
-
-
 def end_of_turn(render) -> str:
     """What a chat template writes after an assistant's words to end the turn (ChatML's
     <|im_end|>, Llama 3's <|eot_id|>), found by rendering a short conversation."""
@@ -56,12 +52,12 @@ def _codec(spec: str, chat: bool = False):
     """(encode, decode, end-of-text id or None) of a run's tokenizer. `chat`: the template
     writes the special tokens (no second BOS from the tokenizer), and they are decoded as
     text so the end-of-turn marker can be seen."""
-    if spec.startswith("tokenizers:"):
+    path = tokenizer_json(spec)
+    if path is not None:
         from tokenizers import Tokenizer
 
         from atom.text import eos_token_id
 
-        path = _tokenizer_json(spec)
         tok = Tokenizer.from_file(str(path))
 
         def encode(text: str) -> list[int]:
@@ -108,7 +104,7 @@ def generate(
     encode, decode, eos = _codec(spec, chat)
     stop = None
     if chat:
-        render = chat_template(_tokenizer_json(spec))
+        render = chat_template(tokenizer_json(spec))
         messages = [{"role": "system", "content": system}] if system else []
         prompt = render([*messages, {"role": "user", "content": prompt}], True)
         stop = end_of_turn(render) or None

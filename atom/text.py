@@ -53,6 +53,11 @@ def tokenizer_file(directory: Path) -> Path:
     return path
 
 
+def tokenizer_json(spec: str) -> Path | None:
+    """The tokenizer.json a run's tokenizer spec names ("tokenizers:PATH"), or None (bytes)."""
+    return Path(spec.removeprefix("tokenizers:")) if spec.startswith("tokenizers:") else None
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
@@ -221,14 +226,10 @@ def jsonl_chunks(path: Path, tok, learn_prompts: bool = False) -> Iterator:
     learned: the model learns where an answer stops. `learn_prompts`: learn every token."""
     import numpy as np
 
-    tokenizer_json = (
-        Path(tok.name.removeprefix("tokenizers:")) if tok.name.startswith("tokenizers:") else None
-    )
-    chat = _chat_template(tokenizer_json)
+    path_json = tokenizer_json(tok.name)
+    chat = _chat_template(path_json)
     eos = getattr(tok, "eos", None)
-    eos_text = (
-        _token_text(_tokenizer_config(tokenizer_json).get("eos_token")) if tokenizer_json else None
-    )
+    eos_text = _token_text(_tokenizer_config(path_json).get("eos_token")) if path_json else None
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():

@@ -20,6 +20,7 @@ from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, 
 from atom.config import Config, ConfigError, ModelConfig, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
+from atom.engine import Engine
 from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
 from atom.run_log import RunLog
@@ -70,7 +71,7 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
     return need
 
 
-def build_engine(cfg: Config, resident: bool = False):
+def build_engine(cfg: Config, resident: bool = False) -> Engine:
     if resident and (cfg.swap.state != "fp32" or cfg.swap.disk_dir is not None):
         raise ConfigError(
             "--resident trains plain PyTorch with fp32 state in RAM; swap.state=compact and "

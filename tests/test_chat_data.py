@@ -208,13 +208,13 @@ def test_one_long_conversation_still_gives_windows(tmp_path):
 
 
 def test_val_split_begins_at_the_document_start_nearest_the_cut(tmp_path):
-    """A long record then short ones: val is cut at the nearest start, on either side."""
-    records = [{"text": "x" * 2000}, {"text": "ab"}, {"text": "cd"}]
-    meta = prepare([_write(tmp_path / "r.jsonl", records)], tmp_path / "d", val_fraction=0.6,
-                   progress=False)  # fmt: skip
-    # 2010 bytes (each record and its blank line): planned val 1206, cut at 804; the
-    # starts are 0, 2002, 2006: the nearest one after token 0 is 2002
-    assert meta.train_tokens == 2002 and meta.val_tokens == 8
+    """Records of 98, 2002 and 4 bytes (each with its blank line): the document starts are
+    0, 98 and 2100. A planned cut at 200 goes back to 98, not on to 2100 (which would
+    leave a 4-token val split)."""
+    records = [{"text": "a" * 96}, {"text": "x" * 2000}, {"text": "ab"}]
+    meta = prepare([_write(tmp_path / "r.jsonl", records)], tmp_path / "d",
+                   val_fraction=1904 / 2104, progress=False)  # fmt: skip
+    assert meta.train_tokens == 98 and meta.val_tokens == 2006
 
 
 def test_missing_or_truncated_flags_are_one_line(tmp_path):
