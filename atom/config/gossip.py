@@ -90,14 +90,14 @@ class GossipConfig:
     explore: float = 0.1  # flow selection: chance of a uniform random partner
     penalty_s: float = 30.0  # a peer that sent a bad message is not chosen for this long
     # robust merge (atom/gossip/robust.py): a difference beyond max_relative x the unit's
-    # own norm is refused; clip_factor / reject_factor (0: off) clip to, and refuse
-    # beyond, that multiple of the unit's recent median difference
+    # own norm is refused; clip_factor clips to, reject_factor refuses beyond, that
+    # multiple of the unit's recent median difference (0: off)
     max_relative: float = 2.0
     max_peers: int = 256  # the peer table's bound (fake ids cannot grow it without end)
     # exchange and state requests served per second per sender (bursts of 2 s, at least
     # 64), ten times that per address; 0: no limit (atom/gossip/net/limits.py)
     max_requests_per_s: float = 100.0
-    clip_factor: float = 0.0
+    clip_factor: float = 3.0
     reject_factor: float = 0.0
     probe_kb: int = 256  # bandwidth probe sent to each new peer
 

@@ -12,13 +12,17 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   merged; the sender is penalised, and a penalised peer is neither chosen nor served until
   its penalty ends.
 - **self-centred clipping** (ClippedGossip, He et al. 2022; BTARD's CenteredClip works the
-  same way), off by default (gossip.clip_factor, gossip.reject_factor): the difference
-  `remote - mine` is scaled down to at most `clip` times the median of the differences
-  this unit accepted recently, relative to the unit's norm, and refused beyond `reject`
-  times it. Why off: one median per unit mixes partners at very different distances, so
-  with 3x / 30x honest peers that start from their own inits (gossip.pull_state false)
-  were clipped and refused (tests/test_gossip_peers.py consensus, and the multiprocess
-  "gossip beats isolation" test, failed); thresholds per partner are the next step.
+  same way), on by default (gossip.clip_factor 3): the difference `remote - mine` is
+  scaled down to at most `clip` times the median of the differences this unit accepted
+  recently (from every partner), relative to the unit's norm. A poisoner then moves an
+  honest peer at most beta x clip x (the group's typical difference) per exchange, and
+  honest peers far apart (own inits, gossip.pull_state false) still meet: each exchange
+  moves them that far towards each other. Each side clips on its own, so the group's mean
+  is kept only roughly (plain averaging, clip_factor 0, keeps it exactly).
+  `gossip.reject_factor` (off by default) refuses, and penalises, a difference beyond
+  that multiple of the median: with 30x, a peer that started from its own init was
+  refused for good once the others had converged (one median per unit mixes partners at
+  very different distances).
 """
 
 from __future__ import annotations
