@@ -139,7 +139,8 @@ def raw_client(ctx, endpoint):
 def good_header(peer, **over):
     h = {
         "v": PROTOCOL, "kind": "xreq", "group": peer.group, "fp": peer.params.fingerprint,
-        "from": "mallory", "inc": 1, "ep": "tcp://127.0.0.1:1", "rid": 1, "step": 0,
+        "from": "mallory", "to": peer.id, "inc": 1, "ep": "tcp://127.0.0.1:1", "rid": 1,
+        "step": 0,
         "samples": 4, "ready": True, "unit": 1, "codec": "fp32", "weight": 4.0, "delta": False,
     }  # fmt: skip
     n = peer.params.numel(over.get("unit", 1))
@@ -274,8 +275,11 @@ def test_goodbye_crash_and_restart(group):
     b = group("b", seed=2, join=a.endpoint)
     c = group("c", seed=3, join=a.endpoint)
     wait_until(lambda: b.table.get("c") is not None and b.table.get("c").status == "alive")
-    c.close()  # goodbye: the others know at once
-    assert a.table.get("c").status == "left" and b.table.get("c").status == "left"
+    c.close()  # goodbye: the others stop choosing it at once, and confirm it by a ping
+    for p in (a, b):
+        assert p.table.get("c").status in ("leaving", "left")
+        assert all(q.id != "c" for q in p.table.candidates())
+    wait_until(lambda: a.table.get("c").status == "left" == b.table.get("c").status, 5, "left")
     b.close(goodbye=False)  # a crash: no goodbye, found out by timeout
     wait_until(lambda: a.table.get("b").status == "dead", 5, "b declared dead")
     assert all(p.id != "b" for p in a.table.candidates())

@@ -39,7 +39,7 @@ EXPECT = Expect("open:test", "f" * 24, 5)
 def header(**over):
     h = {
         "v": PROTOCOL, "kind": "xreq", "group": "open:test", "fp": "f" * 24, "from": "alice",
-        "inc": 7, "ep": "tcp://127.0.0.1:5555", "rid": 1, "step": 3, "samples": 12,
+        "to": "bob", "inc": 7, "ep": "tcp://127.0.0.1:5555", "rid": 1, "step": 3, "samples": 12,
         "ready": True, "unit": 1, "codec": "fp32", "weight": 12.0,
         "tensors": [{"dtype": "f32", "n": 4}], "delta": False,
     }  # fmt: skip
@@ -58,7 +58,7 @@ def test_valid_header_roundtrips():
     [
         (b"\xc1\xff garbage", "garbage"),
         (msgpack.packb([1, 2, 3]), "garbage"),
-        (pack(header(v=2)), "version"),
+        (pack(header(v=PROTOCOL + 1)), "version"),
         (pack(header(kind="exec")), "schema"),
         (pack(header(extra=1)), "schema"),
         (pack({k: v for k, v in header().items() if k != "weight"}), "schema"),
@@ -235,8 +235,11 @@ def test_peer_table_liveness_goodbye_and_restart():
     assert t.get("a").status == "left"
     t.heard(h)  # a stale message from the incarnation that left
     assert t.get("a").status == "left"
-    t.heard(dict(h, inc=2))  # restarted
+    t.heard(dict(h, inc=2))  # restarted, says a message: unproven, only a claim to check
+    assert t.get("a").status == "left" and t.unproven() == [("a", h["ep"])]
+    t.heard(dict(h, inc=2), proven=True)  # its endpoint answered our ping as a, inc 2
     assert t.get("a").status == "alive" and t.get("a").incarnation == 2
+    assert t.unproven() == []
 
 
 def test_token_bucket_paces_to_the_rate():

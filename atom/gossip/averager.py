@@ -55,7 +55,7 @@ class Averager:
         codec: Codec,
         make_client: Callable[[], Client],
         counters: Counters,
-        header: Callable[[str, int], dict[str, Any]],
+        header: Callable[[str, int, str], dict[str, Any]],
         weight: Callable[[], float],
         interval_s: float,
         timeout_s: float,
@@ -179,7 +179,7 @@ class Averager:
         metas, buffers = codec.encode(snap)  # may share snap's memory: snap is never written
         # what the partner will decode: an int8 reply is a delta against exactly that
         sent = roundtrip(codec, snap) if codec.name == "int8" else snap
-        h = self.header("xreq", self.client.next_rid())
+        h = self.header("xreq", self.client.next_rid(), partner.id)
         h.update(unit=unit, codec=codec.name, weight=self.weight(), tensors=metas, delta=False)
         work = time.monotonic() - t0
         nbytes = codec.wire_bytes(n)
@@ -244,7 +244,7 @@ class Averager:
     def serve_exchange(self, incoming: Incoming) -> Reply:
         """Server side of xreq (runs on a server worker thread)."""
         h = incoming.header
-        base = self.header("xrep", h["rid"])
+        base = self.header("xrep", h["rid"], h["from"])
         if not self.ready.is_set():
             return _refuse(base, "nack", "joining: no parameters yet")
         unit = h["unit"]
@@ -288,7 +288,7 @@ class Averager:
     def serve_state(self, incoming: Incoming) -> Reply:
         """Server side of sreq: a joining peer copies one unit, exactly (fp32)."""
         h = incoming.header
-        base = self.header("srep", h["rid"])
+        base = self.header("srep", h["rid"], h["from"])
         if not self.ready.is_set():
             return _refuse(base, "nack", "joining: no parameters yet")
         unit = h["unit"]
@@ -334,7 +334,7 @@ class Averager:
         return step or 0, samples or 0, source
 
     def _pull_unit(self, p: PeerState, unit: int) -> tuple[int, int] | None:
-        h = self.header("sreq", self.client.next_rid())
+        h = self.header("sreq", self.client.next_rid(), p.id)
         h["unit"] = unit
         n = self.params.numel(unit)
         reply = self.client.request(p.endpoint, (p.id, p.endpoint), h, [], self._timeout(p, 4 * n))

@@ -9,6 +9,17 @@ other merge. A dead peer stays in the table and is pinged again every few heartb
 (it may come back); one that said goodbye is tombstoned for that incarnation so stale
 lists cannot resurrect it, while a restart (new incarnation) is welcome at once.
 
+Who may change what (open groups have no keys, so a header's `from` proves nothing): a
+message may refresh the entry it matches (id, endpoint, incarnation), but a peer's
+endpoint or incarnation changes only on proof, a reply to our own request from that
+endpoint naming that id, and a live peer does not move to another endpoint until its old
+one stops answering (a forged ping once moved a peer to a dead address). A claim that is
+not proven yet is remembered and pinged. A goodbye marks the peer "leaving" (no longer a
+partner) until a ping settles it: a leaving peer answers `nack leaving` (or not at all),
+an impostor's victim answers `pong` and stays. In keyed groups the server has already
+tied `from` to the connection's key (transport.py), so what a member says of itself is
+taken as proven.
+
 Link measurements (EWMA): round-trip time from pings, bandwidth from a probe at first
 contact and then from every real exchange. They are shared in heartbeats, so each side
 sees both directions of a link (GWTF's cost uses bw_ij + bw_ji).
@@ -40,7 +51,7 @@ class PeerState:
     endpoint: str
     incarnation: int
     first_seen: float = field(default_factory=time.monotonic)
-    status: str = "alive"  # alive | dead | left
+    status: str = "alive"  # alive | dead | leaving (said bye, unconfirmed) | left
     ready: bool = False  # has its parameters (joined); only ready peers are partners
     step: int = 0
     samples: int = 0
@@ -77,10 +88,13 @@ class PeerTable:
         self.peers: dict[str, PeerState] = {}
         self.penalties: dict[str, float] = {}  # id -> monotonic time it may be chosen again
         self.tombstones: dict[str, int] = {}  # id -> incarnation that said goodbye
+        self.claims: dict[str, tuple[str, int, float]] = {}  # id -> (ep, inc, when): unproven
+        self.forged = 0  # goodbyes and moves refuted by the peer itself
 
     # ------------------------------------------------------------ updates
-    def heard(self, h: dict[str, Any]) -> PeerState | None:
-        """A validated header straight from its sender: it is alive, at this step."""
+    def heard(self, h: dict[str, Any], proven: bool = False) -> PeerState | None:
+        """A validated header straight from its sender: it is alive, at this step.
+        `proven`: a reply from the endpoint the header names (or a keyed group)."""
         pid = h["from"]
         if pid == self.me:
             return None
@@ -89,12 +103,23 @@ class PeerTable:
             if self.tombstones.get(pid) == h["inc"]:
                 return None  # a late message from a peer that already said goodbye
             p = self.peers.get(pid)
+            if p is not None and (p.endpoint, p.incarnation) != (h["ep"], h["inc"]):
+                moving = p.status in ("alive", "leaving") and p.endpoint != h["ep"]
+                if not proven or moving:  # check it ourselves (ping_targets)
+                    if pid in self.claims or len(self.claims) < self.max_peers:
+                        self.claims[pid] = (h["ep"], h["inc"], now)
+                    return None
+            elif p is not None and p.status == "leaving" and not proven:
+                return None  # only its own endpoint can say it is still here
             if p is None and not self._make_room(live_ok=True):
                 return None
             if p is None or p.incarnation != h["inc"]:
                 # new, or restarted: its old measurements describe another process
                 p = self.peers[pid] = PeerState(pid, h["ep"], h["inc"])
                 self.tombstones.pop(pid, None)
+            elif p.status == "leaving":
+                self.forged += 1  # it answered from its endpoint: the goodbye was not its own
+            self.claims.pop(pid, None)
             p.endpoint, p.status, p.last_heard = h["ep"], "alive", now
             p.ready, p.step, p.samples = h["ready"], h["step"], h["samples"]
             if "load" in h:
@@ -135,12 +160,21 @@ class PeerTable:
         del self.peers[victim.id]
         return True
 
-    def left(self, pid: str, inc: int) -> None:
+    def left(self, pid: str, inc: int, proven: bool = True) -> None:
+        """A goodbye. Unproven (open groups), the peer is only "leaving" until a ping to
+        its endpoint confirms it (nack leaving, or silence) or refutes it (pong)."""
         with self.lock:
             p = self.peers.get(pid)
             if p is not None and p.incarnation == inc:
+                if not proven and p.status == "alive":
+                    p.status, p.ready = "leaving", False
+                    p.next_ping = 0.0
+                    return
                 p.status, p.ready = "left", False
-            self.tombstones[pid] = inc
+            if p is None or p.incarnation == inc:
+                self.tombstones[pid] = inc
+                while len(self.tombstones) > 4 * self.max_peers:
+                    del self.tombstones[next(iter(self.tombstones))]
 
     def rtt_sample(self, pid: str, seconds: float) -> None:
         with self.lock:
@@ -207,7 +241,15 @@ class PeerTable:
         now = time.monotonic()
         newly = []
         with self.lock:
+            for pid, (_, _, when) in list(self.claims.items()):
+                if now - when > self.dead_after:  # never proven: forget it
+                    del self.claims[pid]
             for pid, p in list(self.peers.items()):
+                if p.status == "leaving" and (
+                    p.last_heard is None or now - p.last_heard > self.dead_after
+                ):  # it said goodbye and stopped answering: it did leave
+                    p.status = "left"
+                    self.tombstones[pid] = p.incarnation
                 if p.status == "alive" and (
                     p.last_heard is None or now - p.last_heard > self.dead_after
                 ):
@@ -246,12 +288,17 @@ class PeerTable:
         with self.lock:
             out = []
             for p in self.peers.values():
-                if p.status == "alive":
+                if p.status in ("alive", "leaving"):
                     out.append(p)
                 elif p.status == "dead" and now >= p.next_ping:
                     p.next_ping = now + retry_dead_every
                     out.append(p)
             return out
+
+    def unproven(self) -> list[tuple[str, str]]:
+        """(id, endpoint) of claims to check with a ping of our own."""
+        with self.lock:
+            return [(pid, ep) for pid, (ep, _, _) in self.claims.items()]
 
     def listing(self) -> list[dict[str, Any]]:
         """Alive peers, for our heartbeats (first-hand knowledge only)."""
@@ -304,7 +351,7 @@ class Membership:
         self,
         table: PeerTable,
         client: Client,
-        header: Callable[[str, int], dict[str, Any]],
+        header: Callable[[str, int, str], dict[str, Any]],
         seeds: list[str],
         heartbeat_s: float,
         probe_bytes: int,
@@ -317,29 +364,39 @@ class Membership:
         self.heartbeat_s = heartbeat_s
         self.probe_bytes = probe_bytes
         self.log, self.stop, self.on_tick = plog, stop, on_tick
+        self.proven = False  # a keyed group: every sender is bound to its key
         self._thread: threading.Thread | None = None
 
-    def ping_header(self, kind: str = "ping") -> dict[str, Any]:
-        h = self.header(kind, self.client.next_rid())
+    def ping_header(self, kind: str = "ping", to: str = "") -> dict[str, Any]:
+        h = self.header(kind, self.client.next_rid(), to)
         h["peers"] = self.table.listing()
         h["links"] = self.table.links()
         return h
 
     def ping_round(self, timeout: float | None = None) -> list[PeerState]:
-        """Ping every target once (seeds whose owner we do not know yet too); returns the
-        peers that answered."""
+        """Ping every target once (seeds whose owner we do not know yet, and endpoints
+        claimed but not proven, too); returns the peers that answered."""
         targets = self.table.ping_targets(retry_dead_every=3 * self.heartbeat_s)
-        by_endpoint = {p.endpoint: p for p in targets}  # one ping per endpoint
+        by_endpoint = {p.endpoint: p.id for p in targets}  # one ping per endpoint
+        for pid, ep in self.table.unproven():
+            by_endpoint.setdefault(ep, pid)
         known = {p.endpoint for p in self.table.alive()} | set(by_endpoint)
-        items = [(ep, (p.id, ep), self.ping_header(), []) for ep, p in by_endpoint.items()]
+        items = [(ep, (pid, ep), self.ping_header(to=pid), []) for ep, pid in by_endpoint.items()]
         items += [(ep, (ep,), self.ping_header(), []) for ep in self.seeds if ep not in known]
         sent = time.monotonic()
         replies = self.client.request_many(items, timeout or max(0.5, self.heartbeat_s))
         answered = []
-        for reply in replies.values():
-            if reply is None or reply.header["kind"] != "pong":
+        for ep, reply in replies.items():
+            if reply is None:
                 continue
-            p = self.table.heard(reply.header)
+            h = reply.header
+            proof = self.proven or h["ep"] == ep  # it answered from where it says it is
+            if h["kind"] == "nack" and h.get("reason") == "leaving" and proof:
+                self.table.left(h["from"], h["inc"])
+                continue
+            if h["kind"] != "pong":
+                continue
+            p = self.table.heard(h, proven=proof)
             if p is not None:
                 self.table.rtt_sample(p.id, reply.received - sent)
                 answered.append(p)
@@ -349,7 +406,7 @@ class Membership:
         """One bandwidth sample from a probe of probe_bytes: time minus the round trip."""
         p.probed = True
         payload = bytes(self.probe_bytes)
-        h = self.header("probe", self.client.next_rid())
+        h = self.header("probe", self.client.next_rid(), p.id)
         h["tensors"] = [{"dtype": "u8", "n": len(payload)}]
         t0 = time.monotonic()
         reply = self.client.request(p.endpoint, (p.id, p.endpoint), h, [payload], timeout=5.0)
@@ -389,7 +446,7 @@ class Membership:
     def goodbye(self, client: Client, timeout: float = 1.0) -> int:
         """Tell every alive peer we are leaving; returns how many acknowledged."""
         items = [
-            (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid()), [])
+            (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid(), p.id), [])
             for p in self.table.alive()
         ]
         if not items:
@@ -398,12 +455,13 @@ class Membership:
         return sum(1 for r in replies.values() if r is not None)
 
 
-def handle_control(table: PeerTable, incoming: Incoming) -> str | None:
-    """Server side of ping / probe / bye: update the table; the reply kind to send."""
+def handle_control(table: PeerTable, incoming: Incoming, proven: bool) -> str | None:
+    """Server side of ping / probe / bye: update the table; the reply kind to send.
+    `proven`: the sender's name is bound to its connection (a keyed group)."""
     h = incoming.header
     kind = h["kind"]
     if kind == "bye":
-        table.left(h["from"], h["inc"])
+        table.left(h["from"], h["inc"], proven)
         return "ack"
-    table.heard(h)
+    table.heard(h, proven)
     return {"ping": "pong", "probe": "ack"}.get(kind)

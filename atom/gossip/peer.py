@@ -13,6 +13,7 @@ says goodbye (so no exchange is half done), then closes every socket with LINGER
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import re
 import secrets
@@ -95,6 +96,11 @@ class GossipPeer:
         self.params = params
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.keys: GroupKeys | None = load_bundle(gcfg.group_key) if gcfg.group_key else None
+        if self.keys and gcfg.name and gcfg.name != self.keys.name:
+            raise ConfigError(
+                f"gossip.name {gcfg.name!r} differs from the group key's name "
+                f"{self.keys.name!r}: in a keyed group a peer is named by its key; drop --name"
+            )
         self.id = gcfg.name or (self.keys.name if self.keys else default_name())
         self.incarnation = secrets.randbits(62)
         self.group = self.keys.group_id if self.keys else f"open:{gcfg.group}"[:64]
@@ -112,6 +118,8 @@ class GossipPeer:
         self.base_samples = start_step * samples_per_step
         self.joined_from = ""
         self.counters = Counters()
+        self.rids = itertools.count(secrets.randbits(40))  # every client's: replays refused
+        self.leaving = False  # saying goodbye: pings are answered `nack leaving`
         self.stop = threading.Event()  # background loops and their network waits
         self.ctx = zmq.Context()
         self.auth = None
@@ -153,6 +161,7 @@ class GossipPeer:
             self.stop,
             self.write_status,
         )
+        self.membership.proven = self.keys is not None
         self.server: Server | None = None
         self.endpoint = ""
         self.closed = False
@@ -165,7 +174,7 @@ class GossipPeer:
     def _client(self, stop: threading.Event) -> Client:
         return Client(
             self.ctx, self.keys, self.expect, self.max_bytes, self.shaper, self.counters,
-            self._on_reply_reject, stop,
+            self._on_reply_reject, stop, self.id, self.rids,
         )  # fmt: skip
 
     @property
@@ -176,13 +185,14 @@ class GossipPeer:
         """An exchange averages weighted by samples trained on (a newcomer counts less)."""
         return float(max(self.samples, 1))
 
-    def _header(self, kind: str, rid: int) -> dict[str, Any]:
+    def _header(self, kind: str, rid: int, to: str = "") -> dict[str, Any]:
         h = {
             "v": PROTOCOL,
             "kind": kind,
             "group": self.group,
             "fp": self.params.fingerprint,
             "from": self.id,
+            "to": to,
             "inc": self.incarnation,
             "ep": self.endpoint,
             "rid": rid,
@@ -196,10 +206,14 @@ class GossipPeer:
         return h
 
     def _reply_header(self, incoming: Incoming, kind: str) -> dict[str, Any]:
-        return self._header(kind, incoming.header["rid"])
+        return self._header(kind, incoming.header["rid"], incoming.header["from"])
 
     def _inline(self, incoming: Incoming) -> Reply | None:
-        kind = handle_control(self.table, incoming)
+        if self.leaving and incoming.header["kind"] == "ping":  # so a goodbye is believed
+            h = self._reply_header(incoming, "nack")
+            h["reason"] = "leaving"
+            return h, []
+        kind = handle_control(self.table, incoming, proven=self.keys is not None)
         if kind is None:
             return None
         h = self._reply_header(incoming, kind)
@@ -213,7 +227,8 @@ class GossipPeer:
             reply = self.averager.serve_exchange(incoming)
         else:
             reply = self.averager.serve_state(incoming)
-        self.table.heard(incoming.header)  # only once its tensors passed every check
+        # only once its tensors passed every check
+        self.table.heard(incoming.header, proven=self.keys is not None)
         return reply
 
     def _on_reply_reject(self, err: Rejected, address: str) -> None:
@@ -263,6 +278,7 @@ class GossipPeer:
             counters=self.counters,
             plog=self.log,
             max_requests_per_s=self.cfg.max_requests_per_s,
+            me=self.id,
         )
         bound = self.server.start()
         self.endpoint = self.cfg.advertise or advertised(bound)
@@ -329,6 +345,7 @@ class GossipPeer:
         if self.closed:
             return
         self.closed = True
+        self.leaving = goodbye  # a crash (goodbye=False) says nothing
         self.stop.set()
         self.averager.join()
         self.membership.join()

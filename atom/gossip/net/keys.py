@@ -13,8 +13,10 @@ A connection is accepted only when the client proves it holds a secret key whose
 half is in allowed/ (ZAP, checked by ThreadAuthenticator before any message is
 delivered). Adding a peer later (`atom keygen DIR --peers dave`) writes dave's bundle and
 his public key into every bundle's allowed/; running peers re-read allowed/ when it
-changes. To revoke a peer, delete its key from allowed/ everywhere and make a new group
-(its copy of the group secret could otherwise impersonate a server).
+changes. The authenticator names each connection by its key's file name (ZAP User-Id),
+so a member speaks only as itself: the server refuses a message whose sender field is
+another name (transport.py). To revoke a peer, delete its key from allowed/ everywhere
+and make a new group (its copy of the group secret could otherwise impersonate a server).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from atom.config import ConfigError
 
@@ -138,7 +141,7 @@ class AllowList:
     def __init__(self, allowed_dir: Path, on_denied: Callable[[str], None]):
         self.dir = allowed_dir
         self.on_denied = on_denied
-        self._keys: set[bytes] = set()
+        self._keys: dict[bytes, str] = {}  # public key -> its file's name (the peer's)
         self._stamp: tuple = ()
         self._checked = 0.0
         self._lock = threading.Lock()
@@ -149,11 +152,11 @@ class AllowList:
         stamp = tuple((f.name, f.stat().st_mtime_ns) for f in files)
         if stamp == self._stamp:
             return
-        keys = set()
+        keys = {}
         for f in files:
             try:
                 public, _ = zmq.auth.load_certificate(str(f))
-                keys.add(public)
+                keys[public] = f.name.removesuffix(".key")
             except (OSError, ValueError):
                 log.warning("skipping unreadable public key %s", f)
         self._keys, self._stamp = keys, stamp
@@ -168,13 +171,30 @@ class AllowList:
             self.on_denied(key.decode("ascii", "replace"))
         return ok
 
+    def name_of(self, key: bytes) -> str:
+        with self._lock:
+            return self._keys.get(key, "")
+
+
+class GroupAuthenticator(ThreadAuthenticator):
+    """ZAP in a thread; a connection's User-Id is its key's allow-list name."""
+
+    def __init__(self, ctx: zmq.Context, allow: AllowList):
+        super().__init__(ctx, log=logging.getLogger("atom.gossip.zap"))
+        self.allow = allow
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        # called with the raw 32 bytes; the allow-list (like the ZAP callback) holds z85
+        return self.allow.name_of(z85.encode(client_public_key))
+
 
 def start_authenticator(
     ctx: zmq.Context, keys: GroupKeys, on_denied: Callable[[str], None]
 ) -> ThreadAuthenticator:
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("atom.gossip.zap"))
+    allow = AllowList(keys.allowed_dir, on_denied)
+    auth = GroupAuthenticator(ctx, allow)
     auth.start()
-    auth.configure_curve_callback("*", credentials_provider=AllowList(keys.allowed_dir, on_denied))
+    auth.configure_curve_callback("*", credentials_provider=allow)
     return auth
 
 

@@ -20,7 +20,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
 from atom.gossip.net.limits import RequestLimits
+from atom.gossip.net.replay import ReplayWindow
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.wire import (
     MAX_HEADER_BYTES,
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 # (header, tensor buffers[, work to do once the reply has been handed to the I/O thread])
 Reply = tuple[dict[str, Any], list[Any]] | tuple[dict[str, Any], list[Any], Callable[[], None]]
 POLL_MS = 100  # the I/O loop notices `stop` within this
+REQUESTS = {"ping", "probe", "bye", "xreq", "sreq"}  # what a server is sent; the rest answer
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -59,6 +61,7 @@ class Incoming:
     frames: list  # tensor frames (zmq.Frame), already checked against header["tensors"]
     nbytes: int
     address: str = ""  # the remote IP, from zmq's Peer-Address
+    dialled: str = ""  # a reply: the endpoint our request went to (proof it answers there)
     received: float = field(default_factory=time.monotonic)
 
 
@@ -91,8 +94,11 @@ class Server:
         plog: logging.LoggerAdapter,
         workers: int = 2,
         max_requests_per_s: float = 0.0,
+        me: str = "",
     ):
         self.ctx, self.bind, self.expect, self.keys = ctx, bind, expect, keys
+        self.me = me
+        self.replays = ReplayWindow()
         self.limits = RequestLimits(max_requests_per_s)  # heavy requests, per sender
         self.max_bytes = max_bytes
         self.inline, self.heavy, self.heavy_kinds = inline, heavy, heavy_kinds
@@ -207,6 +213,7 @@ class Server:
                 raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_bytes}")
             header = parse_header(parts[0].buffer, self.expect)
             check_frames(header, parts[1:])
+            self._check_sender(header, parts[0])
         except Rejected as err:
             if err.reason == "oversized" and err.sender is None and parts:
                 err.sender = _sender_hint(parts[0])
@@ -236,6 +243,21 @@ class Server:
             return
         if reply is not None:
             self._reply(router, ident, incoming, reply)
+
+    def _check_sender(self, header: dict[str, Any], first: Any) -> None:
+        """Who may send this, to whom, and only once. None of these failures penalise the
+        peer the message names: it is most likely not who sent it."""
+        claimed, kind = header["from"], header["kind"]
+        if kind not in REQUESTS:
+            raise Rejected("schema", f"{kind} from {claimed!r} is a reply, not a request")
+        if self.keys is not None:  # the channel's own name: ZAP User-Id, the key's file name
+            user = _prop(first, "User-Id")
+            if claimed != user:
+                raise Rejected("identity", f"sent as {claimed!r} over {user or 'another'}'s key")
+        if header["to"] != self.me and not (kind == "ping" and header["to"] == ""):
+            raise Rejected("misdirected", f"{kind} from {claimed!r} is for {header['to']!r}")
+        if not self.replays.fresh(claimed, header["inc"], header["rid"]):
+            raise Rejected("replay", f"{kind} {header['rid']} from {claimed!r} was seen before")
 
     def _tell_mismatch(self, router: zmq.Socket, ident: Any, address: str) -> None:
         """Answer a well-formed message from another group, model or protocol version with
@@ -332,7 +354,7 @@ def _sender_hint(frame: Any) -> str | None:
 class _NoRequest:
     """Stands in for a request that failed validation when a reply header is made for it."""
 
-    header = {"rid": 0}
+    header = {"rid": 0, "from": ""}
 
 
 MISMATCHES = ("group", "fingerprint", "version")  # a peer of another run, not an attacker
@@ -352,11 +374,15 @@ class Client:
         counters: Counters,
         on_reject: Callable[[Rejected, str], None],
         stop: threading.Event,
+        me: str = "",
+        rids: Iterator[int] | None = None,
     ):
         self.ctx, self.keys, self.expect, self.max_bytes = ctx, keys, expect, max_bytes
         self.shaper, self.counters, self.on_reject, self.stop = shaper, counters, on_reject, stop
+        self.me = me
         self._socks: dict[str, zmq.Socket] = {}
-        self._rid = itertools.count(random.getrandbits(40))
+        # one counter for all of a peer's clients: servers refuse a (sender, rid) seen before
+        self._rid = rids if rids is not None else itertools.count(random.getrandbits(40))
 
     def next_rid(self) -> int:
         return next(self._rid)
@@ -445,6 +471,8 @@ class Client:
                 reply = self._check(parts, pending[ep])
                 if reply is False:
                     continue  # a stale reply to an earlier, timed-out request
+                if reply is not None:
+                    reply.dialled = ep
                 out[ep] = reply
                 del pending[ep]
         for ep in pending:  # no reply in time: forget the socket and what it queued
@@ -465,6 +493,8 @@ class Client:
             header = parse_header(parts[0].buffer, self.expect)
             if header["rid"] != rid:
                 return False
+            if header["to"] != self.me:  # not an answer to us (a reflected or forged reply)
+                raise Rejected("misdirected", f"a reply for {header['to']!r}")
             check_frames(header, parts[1:])
         except Rejected as err:
             self.on_reject(err, address)

@@ -13,7 +13,10 @@ Header fields (all messages):
     group    group id (hash of the group key, or "open:" + gossip.group)
     fp       model fingerprint: hash of every unit's parameter names, shapes, dtype
     from     sender id;  inc  sender incarnation (new on every start);  ep  its endpoint
-    rid      request id (a reply echoes its request's)
+    rid      request id: unique per sender incarnation (replays are refused, net/replay.py);
+             a reply echoes its request's
+    to       the id the message is for ("" only for a first ping to a seed): a message
+             captured on its way to one peer is refused by every other
     step     sender's optimizer step;  samples  sequences it has trained on;  ready  joined
 Per kind: unit, codec, weight, delta, served, tensors, peers, links, load, reason.
 """
@@ -31,7 +34,7 @@ import msgpack
 
 from atom.config.gossip import CODECS, check_endpoint
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: `to`, rids unique per sender
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 8  # header + tensors; no codec needs more than 2 tensor frames
 MAX_LISTED = 256  # peers / links in one heartbeat
@@ -52,7 +55,7 @@ KINDS = {
     "srep": {"unit", "codec", "weight", "tensors"},
     "nack": {"reason"},
 }
-COMMON = {"v", "kind", "group", "fp", "from", "inc", "ep", "rid", "step", "samples", "ready"}
+COMMON = {"v", "kind", "group", "fp", "from", "to", "inc", "ep", "rid", "step", "samples", "ready"}
 OPTIONAL = {"delta", "served", "load", "reason"}  # every other field of a kind is required
 
 
@@ -187,6 +190,7 @@ _CHECKS = {
     "group": lambda v: _str(v, "group", 64),
     "fp": lambda v: _str(v, "fp", 64),
     "from": lambda v: _peer_id(v, "from"),
+    "to": lambda v: "" if v == "" else _peer_id(v, "to"),
     "inc": lambda v: _int(v, "inc", 0, 2**63),
     "ep": lambda v: _endpoint(v, "ep"),
     "rid": lambda v: _int(v, "rid", 0, 2**63),
