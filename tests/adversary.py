@@ -1,0 +1,106 @@
+"""A scripted hostile peer that speaks the real protocol (wire.py headers over a ZeroMQ
+DEALER, CURVE when given a member's key bundle), for the attack tests
+(tests/test_adversary.py) and the attack benchmark (tools/bench_attacks.py).
+
+It sends exactly what it is told, valid or not, in anyone's name:
+
+    adv = Adversary(target_peer_endpoint, group=peer.group, fingerprint=peer.params.fingerprint)
+    adv.request(adv.header("ping", to="a", **{"from": "b"}))      # speak as b
+    adv.send_raw(frames); adv.send_raw(frames)                    # replay a message
+    adv.endless_multipart(frame_bytes, seconds)                   # never send the last frame
+
+Nothing here is imported by atom/: an attack is a test's tool, not a product feature.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.auth
+
+from atom.gossip.net.wire import PROTOCOL
+
+
+class Adversary:
+    def __init__(
+        self,
+        endpoint: str,
+        group: str,
+        fingerprint: str,
+        bundle: str | Path | None = None,
+        name: str = "mallory",
+    ):
+        self.endpoint, self.group, self.fingerprint, self.name = endpoint, group, fingerprint, name
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.sndhwm = 0  # a flood is not throttled here, only by the target
+        if bundle is not None:  # a member's key: passes the handshake, then lies
+            bundle = Path(bundle)
+            own = next(p for p in bundle.glob("*.key_secret") if p.name != "group.key_secret")
+            pub, sec = zmq.auth.load_certificate(str(own))
+            server, _ = zmq.auth.load_certificate(str(bundle / "group.key_secret"))
+            self.sock.curve_publickey, self.sock.curve_secretkey = pub, sec
+            self.sock.curve_serverkey = server
+        self.sock.connect(endpoint)
+        self.rids = itertools.count(1)
+
+    def header(self, kind: str, to: str = "", **over: Any) -> dict[str, Any]:
+        """A header that passes the wire's checks (then `over` changes what it likes)."""
+        h = {
+            "v": PROTOCOL, "kind": kind, "group": self.group, "fp": self.fingerprint,
+            "from": self.name, "to": to, "inc": 1, "ep": "tcp://127.0.0.1:9",
+            "rid": next(self.rids), "step": 0, "samples": 4, "ready": True,
+        }  # fmt: skip
+        h.update(over)
+        return h
+
+    def exchange_header(self, to: str, unit: int, n: int, **over: Any) -> dict[str, Any]:
+        h = self.header("xreq", to, unit=unit, codec="fp32", weight=4.0, delta=False)
+        h["tensors"] = [{"dtype": "f32", "n": n}]
+        h.update(over)
+        return h
+
+    def frames(self, header: dict[str, Any], *tensors: np.ndarray) -> list[bytes]:
+        return [msgpack.packb(header), *(np.ascontiguousarray(t).tobytes() for t in tensors)]
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def request(self, header: dict[str, Any], *tensors: np.ndarray, timeout: float = 2.0):
+        """Send and wait for the reply with the same rid: its header, or None."""
+        self.send_raw(self.frames(header, *tensors))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+                break
+            parts = self.sock.recv_multipart()
+            reply = msgpack.unpackb(parts[0], raw=False)
+            if reply.get("rid") == header["rid"]:
+                return reply
+        return None
+
+    def endless_multipart(self, frame_bytes: int, seconds: float, total_bytes: int) -> int:
+        """Frames of one message that never ends (each with the MORE flag), for `seconds`
+        or until `total_bytes`; returns the bytes sent."""
+        chunk = bytes(frame_bytes)
+        sent = 0
+        deadline = time.monotonic() + seconds
+        self.sock.send(msgpack.packb(self.header("ping")), zmq.SNDMORE)
+        while sent < total_bytes and time.monotonic() < deadline:
+            try:
+                self.sock.send(chunk, zmq.SNDMORE | zmq.NOBLOCK)
+                sent += frame_bytes
+            except zmq.Again:
+                time.sleep(0.001)
+        return sent
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()

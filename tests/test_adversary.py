@@ -1,0 +1,112 @@
+"""Attacks by a scripted peer speaking the real protocol (tests/adversary.py): forged
+goodbyes and moves, replays, misdirected messages, a member speaking as another, an
+unfinished multipart message. Each asserts what the honest peer keeps.
+
+pytest tests/test_adversary.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from atom.gossip.net.keys import keygen
+from tests.adversary import Adversary
+from tests.test_gossip_peers import group, wait_until, weights  # noqa: F401 (fixture)
+
+
+@pytest.fixture
+def adversary():
+    made = []
+
+    def make(peer, **kw):
+        adv = Adversary(peer.endpoint, peer.group, peer.params.fingerprint, **kw)
+        made.append(adv)
+        return adv
+
+    yield make
+    for adv in made:
+        adv.close()
+
+
+def _pair(group):  # noqa: F811
+    a = group("a", seed=1)
+    b = group("b", seed=2, join=a.endpoint)
+    wait_until(lambda: a.table.get("b") is not None and a.table.get("b").status == "alive")
+    return a, b
+
+
+def test_a_forged_goodbye_changes_nothing(group, adversary):  # noqa: F811
+    """A bye in b's name (its id, endpoint and incarnation are public: every heartbeat
+    lists them) only makes a ask b; b answers from its endpoint and stays."""
+    a, b = _pair(group)
+    adv = adversary(a)
+    # a rid above b's own (below them the replay window refuses it anyway)
+    h = adv.header("bye", to="a", inc=b.incarnation, ep=b.endpoint, rid=2**50, **{"from": "b"})
+    adv.request(h)
+    wait_until(lambda: a.table.forged >= 1, 5, "the goodbye refuted by b itself")
+    p = a.table.get("b")
+    assert p.status == "alive" and p.incarnation == b.incarnation and "b" not in a.table.tombstones
+    before = a.counters.get("exchange.ok") + a.counters.get("served.ok")
+    wait_until(lambda: a.counters.get("exchange.ok") + a.counters.get("served.ok") > before + 2)
+
+
+def test_a_forged_move_changes_nothing(group, adversary):  # noqa: F811
+    """A ping in b's name with a new incarnation and a dead endpoint used to move b there
+    (partitioned for good). Now it is a claim a checks itself, and b stays put."""
+    a, b = _pair(group)
+    adv = adversary(a)
+    for _ in range(5):
+        h = adv.header("ping", to="a", inc=12345, ep="tcp://127.0.0.1:1", **{"from": "b"})
+        h.update(peers=[], links=[])
+        adv.request(h, timeout=0.3)
+    time.sleep(2 * a.cfg.dead_after_s)  # the claim is pinged, never proven, forgotten
+    p = a.table.get("b")
+    assert (p.endpoint, p.incarnation, p.status) == (b.endpoint, b.incarnation, "alive")
+    assert a.table.unproven() == []
+    before = a.counters.get("exchange.ok") + a.counters.get("served.ok")
+    wait_until(lambda: a.counters.get("exchange.ok") + a.counters.get("served.ok") > before + 2)
+
+
+def test_a_replayed_exchange_is_merged_once(group, adversary):  # noqa: F811
+    a = group("a", seed=1, interval_s=60.0)  # a initiates nothing: only mallory's exchange
+    adv = adversary(a)
+    n = a.params.numel(1)
+    theirs = a.params.snapshot(1).numpy() + np.float32(1e-3)
+    frames = adv.frames(adv.exchange_header("a", 1, n), theirs)
+    adv.send_raw(frames)
+    wait_until(lambda: a.counters.get("served.ok") == 1, 5, "the exchange served")
+    after_one = weights(a)
+    for _ in range(4):
+        adv.send_raw(frames)
+    wait_until(lambda: a.counters.get("rejected.replay") == 4, 5, "replays refused")
+    assert a.counters.get("served.ok") == 1 and bool((weights(a) == after_one).all())
+    assert not a.table.penalised("mallory")  # not proof of who sent it
+
+
+def test_a_message_for_another_peer_is_refused(group, adversary):  # noqa: F811
+    a = group("a", seed=1, interval_s=60.0)
+    adv = adversary(a)
+    n = a.params.numel(1)
+    h = adv.exchange_header("zed", 1, n)
+    assert adv.request(h, a.params.snapshot(1).numpy(), timeout=1.0) is None
+    assert a.counters.get("rejected.misdirected") == 1 and a.counters.get("served.ok") == 0
+
+
+def test_a_member_cannot_speak_as_another(group, adversary, tmp_path):  # noqa: F811
+    """Keyed group: bob holds a valid key, but whatever name he writes, the server reads
+    the connection's (ZAP User-Id); as carol he is refused, and carol is not blamed."""
+    names = ["alice", "bob", "carol"]
+    bundles = dict(zip(names, keygen(tmp_path, names), strict=True))
+    a = group(None, seed=1, interval_s=60.0, group_key=str(bundles["alice"]))
+    adv = adversary(a, bundle=bundles["bob"], name="bob")
+    for name in ("carol", "carol", "bob"):
+        h = adv.header("ping", to="alice", **{"from": name})
+        h.update(peers=[], links=[])
+        reply = adv.request(h, timeout=2.0)
+        assert (reply is not None) == (name == "bob")
+    assert a.counters.get("rejected.identity") == 2
+    assert a.table.get("carol") is None and not a.table.penalised("carol")
+    assert a.table.get("bob") is not None
