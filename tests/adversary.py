@@ -15,6 +15,7 @@ Nothing here is imported by atom/: an attack is a test's tool, not a product fea
 from __future__ import annotations
 
 import itertools
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,28 @@ class Adversary:
                 sent += frame_bytes
             except zmq.Again:
                 time.sleep(0.001)
+        return sent
+
+    def endless_zmtp(self, frame_bytes: int, seconds: float, total_bytes: int) -> int:
+        """The same over a raw TCP socket speaking ZMTP 3.0 (NULL mechanism): a zmq
+        socket never hands an unfinished message to the network (its own pipe holds it),
+        but a hand-written client can. Returns the bytes the target took."""
+        host, port = self.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
+        greeting += bytes(32)  # as-server 0, filler
+        ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+        frame = b"\x03" + frame_bytes.to_bytes(8, "big") + bytes(frame_bytes)  # MORE | LONG
+        sent = 0
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(greeting + b"\x04" + bytes([len(ready)]) + ready)
+            s.settimeout(1.0)
+            deadline = time.monotonic() + seconds
+            while sent < total_bytes and time.monotonic() < deadline:
+                try:
+                    s.sendall(frame)
+                except (TimeoutError, OSError):
+                    break
+                sent += frame_bytes
         return sent
 
     def close(self) -> None:

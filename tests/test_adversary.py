@@ -110,3 +110,33 @@ def test_a_member_cannot_speak_as_another(group, adversary, tmp_path):  # noqa: 
     assert a.counters.get("rejected.identity") == 2
     assert a.table.get("carol") is None and not a.table.penalised("carol")
     assert a.table.get("bob") is not None
+
+
+def test_an_endless_multipart_message_is_bounded(group, adversary):  # noqa: F811
+    """Frames of one message that never ends (raw ZMTP: a zmq socket would not send them)
+    grew a peer by ~800 MB; the guard drops every connection past gossip.recv_guard_mb,
+    the memory comes back, and honest peers reconnect and exchange."""
+    import threading
+
+    from atom.gossip.net.memguard import anon_bytes
+
+    a = group("a", seed=1, recv_guard_mb=64)
+    adv = adversary(a)
+    floor = anon_bytes()
+    sent = []
+    attack = threading.Thread(
+        target=lambda: sent.append(adv.endless_zmtp(1 << 20, 10.0, 600 << 20))
+    )
+    attack.start()
+    peak = 0
+    while attack.is_alive():
+        peak = max(peak, anon_bytes() - floor)
+        time.sleep(0.01)
+    attack.join()
+    wait_until(lambda: a.counters.get("guard.recycled") >= 1, 5, "the listener recycled")
+    assert a.counters.get("guard.freed_mb") > 32 and sent[0] < 300 << 20  # cut off early
+    assert peak < 200 * 2**20, f"grew {peak >> 20} MB under the attack"
+    assert anon_bytes() - floor < 64 * 2**20
+    b = group("b", seed=2, join=a.endpoint)
+    wait_until(lambda: a.counters.get("served.ok") + a.counters.get("exchange.ok") > 2, 10)
+    assert b.table.get("a").status == "alive"

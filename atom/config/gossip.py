@@ -98,6 +98,10 @@ class GossipConfig:
     # 64), ten times that per address; 0: no limit (atom/gossip/net/limits.py)
     max_requests_per_s: float = 100.0
     clip_factor: float = 3.0
+    # incoming messages left unfinished may hold this much memory (at least 8 of the
+    # largest message) before every gossip connection is dropped and the listener
+    # reopened (atom/gossip/net/memguard.py); 0: off
+    recv_guard_mb: float = 128.0
     reject_factor: float = 0.0
     probe_kb: int = 256  # bandwidth probe sent to each new peer
 
@@ -122,7 +126,7 @@ class GossipConfig:
         if not self.max_relative > 0:
             raise ValueError(f"gossip.max_relative must be > 0, got {self.max_relative}")
         for name in ("interval_s", "link_mbps", "max_message_mb", "penalty_s", "clip_factor",
-                     "reject_factor", "max_requests_per_s"):  # fmt: skip
+                     "reject_factor", "max_requests_per_s", "recv_guard_mb"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"gossip.{name} must be >= 0, got {getattr(self, name)}")
         if self.dead_after_s <= self.heartbeat_s:

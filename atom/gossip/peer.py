@@ -279,6 +279,13 @@ class GossipPeer:
             plog=self.log,
             max_requests_per_s=self.cfg.max_requests_per_s,
             me=self.id,
+            # honest messages in flight (libzmq holds each whole until it is delivered)
+            # and their decoded copies must not trip it: at least 8 of the largest
+            recv_guard_bytes=(
+                max(int(self.cfg.recv_guard_mb * 2**20), 8 * self.max_bytes)
+                if self.cfg.recv_guard_mb > 0
+                else 0
+            ),
         )
         bound = self.server.start()
         self.endpoint = self.cfg.advertise or advertised(bound)

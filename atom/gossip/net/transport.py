@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
 from atom.gossip.net.limits import RequestLimits
+from atom.gossip.net.memguard import InboundMemoryGuard
 from atom.gossip.net.replay import ReplayWindow
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.wire import (
@@ -95,10 +96,12 @@ class Server:
         workers: int = 2,
         max_requests_per_s: float = 0.0,
         me: str = "",
+        recv_guard_bytes: int = 0,
     ):
         self.ctx, self.bind, self.expect, self.keys = ctx, bind, expect, keys
         self.me = me
         self.replays = ReplayWindow()
+        self.memory = InboundMemoryGuard(recv_guard_bytes)
         self.limits = RequestLimits(max_requests_per_s)  # heavy requests, per sender
         self.max_bytes = max_bytes
         self.inline, self.heavy, self.heavy_kinds = inline, heavy, heavy_kinds
@@ -113,28 +116,37 @@ class Server:
         self._n_workers = workers
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> str:
-        """Bind (port 0 picks a free port) and start the threads; returns the bound endpoint."""
+    def _listen(self, endpoint: str, patience_s: float = 0.0) -> zmq.Socket:
+        """A ROUTER bound to `endpoint`; retried for patience_s (a port just closed)."""
         router = self.ctx.socket(zmq.ROUTER)
         router.linger = 0
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)  # memory guard per frame
         router.rcvhwm = router.sndhwm = 64
         secure_server(router, self.keys)
-        try:
-            router.bind(self.bind)
-        except zmq.ZMQError as err:
-            router.close()
-            from atom.config import ConfigError
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                router.bind(endpoint)
+                return router
+            except zmq.ZMQError as err:
+                if time.monotonic() < deadline and not self.stop.is_set():
+                    time.sleep(0.05)
+                    continue
+                router.close()
+                from atom.config import ConfigError
 
-            raise ConfigError(f"cannot listen on {self.bind}: {err}") from None
+                raise ConfigError(f"cannot listen on {endpoint}: {err}") from None
+
+    def start(self) -> str:
+        """Bind (port 0 picks a free port) and start the threads; returns the bound endpoint."""
+        router = self._listen(self.bind)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         pull = self.ctx.socket(zmq.PULL)
         pull.linger = 0
         pull.bind(self._inproc)
-        monitor = router.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
         io = threading.Thread(
-            target=self._io, args=(router, pull, monitor), name="atom-gossip-io", daemon=True
+            target=self._io, args=(router, pull), name="atom-gossip-io", daemon=True
         )
         self._threads = [io] + [
             threading.Thread(target=self._worker, name=f"atom-gossip-serve-{i}", daemon=True)
@@ -145,15 +157,20 @@ class Server:
         return self.endpoint
 
     # ------------------------------------------------------------ I/O thread
-    def _io(self, router: zmq.Socket, pull: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    def _io(self, router: zmq.Socket, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
+        monitor = self._watch(router, poller)
+        poll_ms = min(POLL_MS, 1000 * self.memory.every_s) if self.memory.enabled else POLL_MS
         try:
             while not self.stop.is_set():
-                events = dict(poller.poll(POLL_MS))
+                grown = self.memory.over()
+                if grown:
+                    self._unwatch(router, monitor, poller)
+                    router = monitor = None
+                    router = self._recycle(grown)
+                    monitor = self._watch(router, poller)
+                events = dict(poller.poll(poll_ms))
                 if pull in events:
                     for _ in range(64):
                         try:
@@ -185,11 +202,41 @@ class Server:
         except Exception:
             self.log.exception("gossip server I/O thread failed")
         finally:
-            if monitor is not None:
-                router.disable_monitor()
-                monitor.close(linger=0)
-            router.close(linger=0)
+            if router is not None:
+                self._unwatch(router, monitor, poller)
             pull.close(linger=0)
+
+    def _watch(self, router: zmq.Socket, poller: zmq.Poller) -> zmq.Socket | None:
+        poller.register(router, zmq.POLLIN)
+        monitor = router.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
+        return monitor
+
+    def _unwatch(self, router: zmq.Socket, monitor: zmq.Socket | None, poller: zmq.Poller):
+        poller.unregister(router)
+        if monitor is not None:
+            poller.unregister(monitor)
+            router.disable_monitor()
+            monitor.close(linger=0)
+        router.close(linger=0)
+
+    def _recycle(self, grown: int) -> zmq.Socket:
+        """Memory grew past gossip.recv_guard_mb: drop every connection (and the unfinished
+        messages libzmq holds for them), check, listen again (memguard.py)."""
+        freed = self.memory.settle()
+        self.counters.inc("guard.recycled")
+        if freed > grown // 2:
+            self.counters.inc("guard.freed_mb", freed / 2**20)
+            self.limiter.warning(
+                "recycle",
+                "dropped every gossip connection: %d MB held by unfinished incoming "
+                "messages (over gossip.recv_guard_mb); peers reconnect by themselves",
+                grown >> 20,
+            )
+        else:
+            self.log.info("process memory grew %d MB (not gossip's); guard re-based", grown >> 20)
+        return self._listen(self.endpoint, patience_s=5.0)
 
     def _send(self, router: zmq.Socket, frames: list) -> None:
         try:
