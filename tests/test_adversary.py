@@ -140,3 +140,15 @@ def test_an_endless_multipart_message_is_bounded(group, adversary):  # noqa: F81
     b = group("b", seed=2, join=a.endpoint)
     wait_until(lambda: a.counters.get("served.ok") + a.counters.get("exchange.ok") > 2, 10)
     assert b.table.get("a").status == "alive"
+
+
+def test_a_ping_flood_is_dropped_past_the_rate(group, adversary):  # noqa: F811
+    """Every request kind is rate-limited per sender, pings too (each pong lists peers)."""
+    a = group("a", seed=1, max_requests_per_s=5.0)
+    adv = adversary(a)
+    for _ in range(400):
+        h = adv.header("ping", to="a")
+        h.update(peers=[], links=[])
+        adv.send_raw(adv.frames(h))
+    wait_until(lambda: a.counters.get("rejected.rate") >= 400 - 64 - 10, 10, "pings dropped")
+    assert a.counters.get("recv.ping") >= 400

@@ -1,4 +1,5 @@
-"""Per-sender rate limits on requests that cost the server work (exchanges, state pulls).
+"""Per-sender rate limits on every request a server is sent (exchanges and state pulls
+cost it most; pings build a header listing the peers, probes carry 256 KB).
 
 A flood of pulls (10k a second from one client, each snapshotting a unit) made an honest
 peer's steps 2x slower. Token buckets bound each sender (its address and claimed id) to

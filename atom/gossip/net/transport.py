@@ -102,7 +102,7 @@ class Server:
         self.me = me
         self.replays = ReplayWindow()
         self.memory = InboundMemoryGuard(recv_guard_bytes)
-        self.limits = RequestLimits(max_requests_per_s)  # heavy requests, per sender
+        self.limits = RequestLimits(max_requests_per_s)  # every request, per sender
         self.max_bytes = max_bytes
         self.inline, self.heavy, self.heavy_kinds = inline, heavy, heavy_kinds
         self.make_header = make_header  # a reply header to `incoming` of a given kind
@@ -270,13 +270,13 @@ class Server:
             return
         incoming = Incoming(header, parts[1:], nbytes, address)
         self.counters.inc(f"recv.{header['kind']}")
+        if not self.limits.allow(address, header["from"]):  # every kind: a ping flood too
+            self.counters.inc("rejected.rate")
+            self.limiter.warning(f"rate:{address}", "dropping requests from %s at %s: "
+                                 "over the per-sender rate limit (gossip."
+                                 "max_requests_per_s)", header["from"], address)  # fmt: skip
+            return
         if header["kind"] in self.heavy_kinds:
-            if not self.limits.allow(address, header["from"]):
-                self.counters.inc("rejected.rate")
-                self.limiter.warning(f"rate:{address}", "dropping requests from %s at %s: "
-                                     "over the per-sender rate limit (gossip."
-                                     "max_requests_per_s)", header["from"], address)  # fmt: skip
-                return
             try:
                 self._jobs.put_nowait((ident, incoming))
             except queue.Full:
