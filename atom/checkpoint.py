@@ -143,9 +143,11 @@ def _save_failed(err: OSError, final: Path, root: Path) -> CheckpointError:
     kept = [p for p in list_checkpoints(root) if p != final]
     safe = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint"
     fix = _SAVE_FIXES.get(err.errno, "check the disk and the run directory")
-    return CheckpointError(
+    error = CheckpointError(
         f"could not save checkpoint {final} ({err.strerror or err}); {safe}; {fix}"
     )
+    error.errno = err.errno  # the trainer retries a save that ran out of open files
+    return error
 
 
 def _write_files(

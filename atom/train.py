@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import json
 import logging
 import time
@@ -27,6 +28,8 @@ from atom.run_log import RunLog
 from atom.signals import Interrupts
 
 log = logging.getLogger(__name__)
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
 
 
 def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
@@ -226,6 +229,20 @@ class Trainer:
         return found[-1] if found else None
 
     def save(self, step: int) -> Path:
+        """Write a checkpoint; a save that ran out of open files (a flood of gossip
+        connections, which the gossip server sheds within seconds) is tried again."""
+        for attempt in range(1, SAVE_ATTEMPTS + 1):
+            try:
+                return self._save(step)
+            except (OSError, CheckpointError) as err:
+                if getattr(err, "errno", None) not in OUT_OF_FILES or attempt == SAVE_ATTEMPTS:
+                    raise
+                log.warning("step %d: out of open files while saving; trying again in %.0fs "
+                            "(%d of %d)", step, SAVE_RETRY_S, attempt, SAVE_ATTEMPTS)  # fmt: skip
+                time.sleep(SAVE_RETRY_S)
+        raise AssertionError("unreachable")
+
+    def _save(self, step: int) -> Path:
         # never over a good checkpoint with diverged or poisoned weights
         check_weights(step, self.engine.named_parameters(), self.cfg.train.max_abs_weight,
                       self._newest_checkpoint())  # fmt: skip

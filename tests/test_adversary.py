@@ -152,3 +152,47 @@ def test_a_ping_flood_is_dropped_past_the_rate(group, adversary):  # noqa: F811
         adv.send_raw(adv.frames(h))
     wait_until(lambda: a.counters.get("rejected.rate") >= 400 - 64 - 10, 10, "pings dropped")
     assert a.counters.get("recv.ping") >= 400
+
+
+def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):
+    """`ulimit -n 256` (soft and hard) and 400 connections to a training peer: the gossip
+    server sheds them near the limit and a save that ran out of files is retried, so the
+    run finishes, or at worst exits 2 with one line; never a traceback, never a broken
+    checkpoint."""
+    import resource
+    import socket
+    import subprocess
+
+    from tests import gossip_util as gu
+
+    shards, _ = gu.make_shards(tmp_path, n_lines=400)
+    run = tmp_path / "run"
+    cmd = gu.peer_cmd(run, shards[0], 60, 1, "--listen", "tcp://127.0.0.1:0",
+                      "--set", "train.ckpt_interval=5")  # fmt: skip
+
+    def low_limit():
+        gu._default_sigint()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=low_limit)
+    socks = []
+    try:
+        host, port = gu.endpoint(run, 60, [proc]).removeprefix("tcp://").rsplit(":", 1)
+        for _ in range(400):
+            try:
+                socks.append(socket.create_connection((host, int(port)), timeout=2))
+            except OSError:
+                break  # the run ended (or the listener is being recycled)
+        code = gu.stop_all([proc], timeout=60)[0]
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-2000:]
+    errors = [line for line in text.splitlines() if line.startswith("atom: error:")]
+    assert (code, errors) == (0, []) or (code == 2 and len(errors) == 1), text[-2000:]
+    assert gu.last_step(run) > 0 and gu.params(run)  # the newest checkpoint loads

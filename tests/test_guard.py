@@ -68,3 +68,34 @@ def test_the_cli_says_it_in_one_line_with_a_non_zero_exit(tmp_path, text_dataset
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("atom: error: step 2: weight ")
     assert list_checkpoints(tmp_path / "run") == []
+
+
+def test_a_save_out_of_open_files_is_tried_again(tmp_path, text_dataset, monkeypatch):
+    """EMFILE (a flood of gossip connections, shed by the server within seconds) fails one
+    attempt, not the run; any other failure, or EMFILE every time, still ends it."""
+    import errno
+
+    import atom.train as train_module
+    from atom.checkpoint import CheckpointError
+
+    monkeypatch.setattr(train_module, "SAVE_RETRY_S", 0.0)
+    cfg = tiny_config(train={"max_steps": 2, "data": str(text_dataset)})
+    trainer = Trainer(cfg, out_dir=tmp_path / "run")
+    real, failures = train_module.save_checkpoint, []
+
+    def flaky(*args, **kwargs):
+        if len(failures) < want_failures:
+            failures.append(1)
+            err = CheckpointError("could not save (Too many open files)")
+            err.errno = errno.EMFILE
+            raise err
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "save_checkpoint", flaky)
+    want_failures = 2
+    assert trainer.save(1).name == "step_00000001" and len(failures) == 2
+    failures.clear()
+    want_failures = train_module.SAVE_ATTEMPTS
+    with pytest.raises(CheckpointError, match="open files"):
+        trainer.save(2)
+    assert len(list_checkpoints(tmp_path / "run")) == 1

@@ -10,6 +10,7 @@ simulate.py.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
 import sys
@@ -472,6 +473,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# the system refused a resource: what the user can do (one line, exit 2, no traceback)
+SYSTEM_LIMITS = {
+    errno.EMFILE: "raise the open-file limit (ulimit -n 4096) or let fewer peers connect",
+    errno.ENFILE: "the system is out of file handles: close other programs",
+    errno.ENOSPC: "free space on that disk (or lower train.keep_checkpoints)",
+    errno.EDQUOT: "free space in your quota (or lower train.keep_checkpoints)",
+}
+
+
+def raise_open_file_limit(want: int = 65536) -> None:
+    """Raise the soft open-file limit towards the hard one: every gossip connection is a
+    file descriptor, and 256 (some systems' default) ran out with 400 connections."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -489,10 +515,21 @@ def main(argv: list[str] | None = None) -> int:
         **gossip_commands.HANDLERS,
         **simulate_command.HANDLERS,
     }
+    raise_open_file_limit()
     try:
         return handlers[args.command](args)
     except USER_ERRORS as err:
         print(f"atom: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in SYSTEM_LIMITS:
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        print(
+            f"atom: error: {err.strerror}{where}; {SYSTEM_LIMITS[err.errno]}; checkpoints are "
+            "written whole or not at all, so the newest one on disk is intact",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:  # before training began (profiling, joining peers, ...)
         print(f"atom {args.command}: interrupted", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""A bound on what unfinished messages can hold: libzmq keeps every frame of a multipart
+"""Bounds on what connections can hold: memory in unfinished messages, and files.
+
+Memory:  libzmq keeps every frame of a multipart
 message until its last frame arrives, and ZMQ_MAXMSGSIZE bounds one frame, not their
 number, so a client that never sends the last frame grew a peer by +798 MB in 4 s on
 loopback (tests/adversary.py `endless_zmtp`). No socket option bounds it.
@@ -13,50 +15,121 @@ it was ours; if not, it was the training's (its first steps allocate), and the l
 taken as the new floor. Honest peers reconnect by themselves (ZeroMQ reconnects); an
 exchange in flight at that moment fails and is retried. The cost of one recycle is well
 under a second without a listener.
+
+Files: every connection holds a file descriptor. When open files pass 3/4 of the soft
+limit (which `atom` raises towards the hard one at start), the listener is recycled the
+same way, so a flood of connections cannot starve a checkpoint save of a file.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
+import os
 import sys
 import time
 
 import psutil
 
+try:
+    import resource
+except ImportError:  # not on this platform: open files are not watched
+    resource = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 
+class AnonMemory:
+    """Anonymous resident memory of this process (RssAnon; RSS where there is no /proc).
+    /proc/self/status stays open: under an exhausted open-file limit (a flood of
+    connections) the guard must still read it, and it returns its last reading rather
+    than fail."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/self/status", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+        self.last = 0
+        self.last = self()
+
+    def __call__(self) -> int:
+        try:
+            if self._fd is not None:
+                for line in os.pread(self._fd, 8192, 0).splitlines():
+                    if line.startswith(b"RssAnon:"):
+                        self.last = int(line.split()[1]) * 1024
+                        return self.last
+            self.last = psutil.Process().memory_info().rss
+        except (OSError, psutil.Error, ValueError):
+            pass
+        return self.last
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def anon_bytes() -> int:
-    """Anonymous resident memory of this process (RssAnon; RSS where there is no /proc)."""
+    """One reading (opens /proc/self/status each time; the guard keeps it open)."""
+    reader = AnonMemory()
     try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"RssAnon:"):
-                    return int(line.split()[1]) * 1024
+        return reader.last
+    finally:
+        reader.close()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
     except OSError:
-        pass
-    return psutil.Process().memory_info().rss
+        return None
 
 
 def _trim() -> None:
     """Give freed heap back to the kernel (glibc); a no-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc = _libc()
+    if libc is not None:
         libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class InboundMemoryGuard:
-    def __init__(self, limit_bytes: int, every_s: float = 0.05, read=anon_bytes, trim=_trim):
+    def __init__(self, limit_bytes: int, every_s: float = 0.05, read=None, trim=_trim):
         self.limit, self.every_s = limit_bytes, every_s
-        self.read, self.trim = read, trim
-        self.floor = self.level = read()
-        self._next = 0.0
+        self.read = read or (AnonMemory() if limit_bytes > 0 else (lambda: 0))
+        self.trim = trim
+        self.floor = self.level = self.read()
+        self._next = self._next_files = 0.0
+        _libc()  # loaded now: at a recycle the open-file limit may be exhausted
+
+    def files_over(self, share: float = 0.75, every_s: float = 1.0) -> int:
+        """Open files when they pass `share` of the soft limit (or cannot be counted
+        because it is exhausted); 0 when fine. Every connection is a file descriptor:
+        400 of them under `ulimit -n 256` made a checkpoint save fail with EMFILE."""
+        now = time.monotonic()
+        if now < self._next_files or resource is None:
+            return 0
+        self._next_files = now + every_s
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return 0
+        try:
+            n = len(os.listdir("/proc/self/fd"))
+        except FileNotFoundError:  # no /proc: not counted
+            return 0
+        except OSError:  # EMFILE: the limit itself
+            n = soft
+        if n <= share * soft:
+            return 0
+        self._next_files = now + 5.0  # not more often: the files may not be gossip's
+        return n
 
     @property
     def enabled(self) -> bool:
@@ -86,3 +159,7 @@ class InboundMemoryGuard:
             log.debug("memory grew %d MB for other reasons: new floor", (level - self.floor) >> 20)
             self.floor = level
         return freed
+
+    def close(self) -> None:
+        if isinstance(self.read, AnonMemory):
+            self.read.close()

@@ -164,11 +164,11 @@ class Server:
         poll_ms = min(POLL_MS, 1000 * self.memory.every_s) if self.memory.enabled else POLL_MS
         try:
             while not self.stop.is_set():
-                grown = self.memory.over()
-                if grown:
+                grown, files = self.memory.over(), self.memory.files_over()
+                if grown or files:
                     self._unwatch(router, monitor, poller)
                     router = monitor = None
-                    router = self._recycle(grown)
+                    router = self._recycle(grown, files)
                     monitor = self._watch(router, poller)
                 events = dict(poller.poll(poll_ms))
                 if pull in events:
@@ -221,12 +221,19 @@ class Server:
             monitor.close(linger=0)
         router.close(linger=0)
 
-    def _recycle(self, grown: int) -> zmq.Socket:
-        """Memory grew past gossip.recv_guard_mb: drop every connection (and the unfinished
-        messages libzmq holds for them), check, listen again (memguard.py)."""
-        freed = self.memory.settle()
+    def _recycle(self, grown: int, files: int) -> zmq.Socket:
+        """Memory grew past gossip.recv_guard_mb, or open files neared their limit: drop
+        every connection (and the unfinished messages libzmq holds for them), check, and
+        listen again (memguard.py)."""
+        freed = self.memory.settle() if grown else 0
         self.counters.inc("guard.recycled")
-        if freed > grown // 2:
+        if files:
+            self.counters.inc("guard.files")
+            self.limiter.warning(
+                "files", "dropped every gossip connection: %d files open, near the limit "
+                "(ulimit -n); peers reconnect by themselves", files,
+            )  # fmt: skip
+        elif freed > grown // 2:
             self.counters.inc("guard.freed_mb", freed / 2**20)
             self.limiter.warning(
                 "recycle",
@@ -381,6 +388,7 @@ class Server:
         self.stop.set()
         for t in self._threads:
             t.join(timeout)
+        self.memory.close()
 
 
 def _sender_hint(frame: Any) -> str | None:
