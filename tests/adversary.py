@@ -9,6 +9,11 @@ It sends exactly what it is told, valid or not, in anyone's name:
     adv.send_raw(frames); adv.send_raw(frames)                    # replay a message
     adv.endless_multipart(frame_bytes, seconds)                   # never send the last frame
 
+and a poisoning member: a real `atom train` peer whose every exchange and state reply
+carries poison in place of its weights, claiming an averaging weight of 1e18:
+
+    python -m tests.adversary poison MODE -- TRAIN ARGS...      (MODE: see POISONS)
+
 Nothing here is imported by atom/: an attack is a test's tool, not a product feature.
 """
 
@@ -22,6 +27,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import torch
 import zmq
 import zmq.auth
 
@@ -127,3 +133,38 @@ class Adversary:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+# what a poisoning member sends in place of a unit's weights x
+POISONS = {
+    "flip": lambda x: -x,  # the difference is -2x: right at gossip.max_relative
+    "random": lambda x: torch.randn_like(x) * (x.norm() / max(x.numel(), 1) ** 0.5),
+    "huge": lambda x: x * 1e30,  # refused outright (beyond max_relative)
+    "nan": lambda x: torch.full_like(x, float("nan")),  # refused by the wire
+}
+
+
+def poisoner(mode: str, argv: list[str]) -> int:
+    """Run `atom train argv` as a peer that sends POISONS[mode] and claims weight 1e18."""
+    from atom.cli import main
+    from atom.gossip.merge import UnitParams
+    from atom.gossip.peer import GossipPeer
+
+    poison = POISONS[mode]
+    honest = UnitParams.snapshot
+
+    def snapshot(self, unit):
+        return poison(honest(self, unit)).contiguous()
+
+    UnitParams.snapshot = snapshot
+    UnitParams.add = lambda self, unit, delta: None  # it takes nothing in: stays alive
+    GossipPeer.weight = lambda self: 1e18
+    return main(argv)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 4 or sys.argv[1] != "poison" or sys.argv[3] != "--":
+        sys.exit("usage: python -m tests.adversary poison MODE -- TRAIN ARGS...")
+    sys.exit(poisoner(sys.argv[2], sys.argv[4:]))

@@ -30,25 +30,37 @@ def test_guard_refuses_absurd_differences_from_the_start():
     assert guard.admit(0, mine, diff) == pytest.approx(1.4) and torch.all(diff == 1.4)
 
 
-def test_guard_clips_to_the_recent_range_and_refuses_far_outside_it():
-    """gossip.clip_factor 3, gossip.reject_factor 30 (off by default)."""
-    guard = DiffGuard(clip=3.0, reject=30.0, warmup=4)
-    mine = torch.ones(100)  # norm 10
-    for _ in range(8):
-        guard.admit(0, mine, torch.full((100,), 0.01))  # relative size 0.01
-    big = torch.full((100,), 0.05)  # 5x the median: clipped to 3x
-    guard.admit(0, mine, big)
-    assert float(torch.linalg.vector_norm(big)) / 10 == pytest.approx(0.03, rel=1e-5)
-    with pytest.raises(Rejected, match="recent median"):
-        guard.admit(0, mine, torch.full((100,), 0.5))  # 50x
-    # a run of near-outliers is clipped and remembered clipped: the median cannot creep up
-    for _ in range(40):
-        guard.admit(0, mine, torch.full((100,), 0.25))
-    with pytest.raises(Rejected):
-        guard.admit(0, mine, torch.full((100,), 5.0))
+def _size(diff: torch.Tensor, mine: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(mine))
+
+
+def test_guard_clips_to_the_other_partners_scale():
+    """Each partner is judged by the others' latest differences (lower median), never by
+    its own; a unit nobody else was heard on is judged by FIRST_SCALE."""
+    from atom.gossip.robust import FIRST_SCALE
+
+    guard = DiffGuard(clip=3.0, reject=30.0)
+    mine = torch.ones(100)
+    flip = -2 * mine  # a sign-flipped model: right at max_relative
+    guard.admit(0, mine, flip, "p")
+    assert _size(flip, mine) == pytest.approx(3 * FIRST_SCALE)  # the first voice is bounded
+    for k in range(3):
+        guard.admit(0, mine, torch.full((100,), 0.01), f"h{k}")  # honest: 1% apart
+    again = -2 * mine
+    with pytest.raises(Rejected, match="others'"):  # 200x the honest scale: beyond 30x
+        guard.admit(0, mine, again, "p")
+    near = torch.full((100,), 0.05)  # 5x the honest scale: clipped to 3x
+    guard.admit(0, mine, near, "p")
+    assert _size(near, mine) == pytest.approx(0.03, rel=1e-5)
+    honest = torch.full((100,), 0.012)
+    guard.admit(0, mine, honest, "h0")  # p's 5% is one voice of three: h0 is not clipped
+    assert _size(honest, mine) == pytest.approx(0.012, rel=1e-5)
     other = torch.full((100,), 0.5)
-    guard.admit(1, mine, other)  # units keep their own history
-    assert float(other[0]) == 0.5
+    guard.admit(1, mine, other, "x")  # units keep their own
+    assert _size(other, mine) == pytest.approx(3 * FIRST_SCALE)
+    plain = DiffGuard()  # clip 0: nothing clipped, only max_relative
+    far = torch.full((100,), 1.4)
+    assert plain.admit(0, mine, far, "x") == pytest.approx(1.4) and bool(torch.all(far == 1.4))
 
 
 def test_huge_finite_poison_with_a_huge_weight_is_refused_and_its_sender_unserved(group):  # noqa: F811

@@ -220,7 +220,7 @@ class Averager:
         diff = remote.sub_(snap)
         disagreement = relative_disagreement(snap, diff)
         try:
-            self.guard.admit(unit, snap, diff)  # clipped in place, or refused
+            self.guard.admit(unit, snap, diff, partner.id)  # clipped in place, or refused
         except Rejected as err:
             err.sender = partner.id
             self.on_reject(err, reply.address)
@@ -264,7 +264,7 @@ class Averager:
             # int8 replies are deltas against the request (small numbers, small rounding);
             # fp32/bf16 replies are the snapshot itself, which nobody writes again
             metas, buffers = codec.encode(-diff if codec.name == "int8" else snap)
-            self.guard.admit(unit, snap, diff)  # after the reply is encoded from it
+            self.guard.admit(unit, snap, diff, h["from"])  # after the reply is encoded from it
         except BaseException:
             self._release(unit)
             raise

@@ -13,16 +13,19 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   its penalty ends.
 - **self-centred clipping** (ClippedGossip, He et al. 2022; BTARD's CenteredClip works the
   same way), on by default (gossip.clip_factor 3): the difference `remote - mine` is
-  scaled down to at most `clip` times the median of the differences this unit accepted
-  recently (from every partner), relative to the unit's norm. A poisoner then moves an
-  honest peer at most beta x clip x (the group's typical difference) per exchange, and
-  honest peers far apart (own inits, gossip.pull_state false) still meet: each exchange
-  moves them that far towards each other. Each side clips on its own, so the group's mean
-  is kept only roughly (plain averaging, clip_factor 0, keeps it exactly).
-  `gossip.reject_factor` (off by default) refuses, and penalises, a difference beyond
-  that multiple of the median: with 30x, a peer that started from its own init was
-  refused for good once the others had converged (one median per unit mixes partners at
-  very different distances).
+  scaled down to at most `clip` times the scale of the *other* partners' differences on
+  this unit: the lower median, over every other partner, of the size (relative to the
+  unit's norm) of its latest difference. One poisoner among honest partners never sets
+  its own bound and is one voice among the others, so it moves an honest peer at most
+  beta x clip x (the honest partners' typical difference) per exchange. Before any other
+  partner has been heard on a unit the scale is FIRST_SCALE (0.1 of the unit's norm):
+  the first peer to arrive cannot take a unit whole (a sign-flipped model, right at
+  max_relative, zeroed a unit that way: 26% worse val loss for its victim). Honest peers
+  far apart (own inits, gossip.pull_state false) still meet: each judges the others by
+  partners that are as far, and every exchange moves both sides. Each side clips on its
+  own, so the group's mean is kept only roughly (clip_factor 0, plain averaging, keeps it
+  exactly). `gossip.reject_factor` (off by default) refuses, and penalises, a difference
+  beyond that multiple of the scale.
 """
 
 from __future__ import annotations
@@ -42,49 +45,59 @@ def safe_beta(w_me: float, w_them: float) -> float:
     return w_them / (w_me + w_them) if w_me + w_them > 0 else 0.0
 
 
+FIRST_SCALE = 0.1  # the scale of a unit no other partner has been heard on
+
+
 class DiffGuard:
-    """Per unit, the recent relative sizes |remote - mine| / |mine| of accepted
-    differences; `admit` clips or refuses a new one. Thread-safe (exchanges in both
-    directions run on several threads)."""
+    """Per unit, the relative size |remote - mine| / |mine| of each partner's latest
+    difference; `admit` clips or refuses a new one. Thread-safe (exchanges in both
+    directions run on several threads). Bounded: `partners` per unit, least recent
+    forgotten."""
 
     def __init__(
         self,
         clip: float = 0.0,
         reject: float = 0.0,
         max_relative: float = 2.0,
-        history: int = 32,
-        warmup: int = 4,
+        partners: int = 64,
     ):
         self.clip, self.reject, self.max_relative = clip, reject, max_relative
-        self.warmup = warmup
-        self._recent: dict[int, collections.deque[float]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=history)
+        self.partners = partners
+        self._latest: dict[int, collections.OrderedDict[str, float]] = collections.defaultdict(
+            collections.OrderedDict
         )
         self._lock = threading.Lock()
 
-    def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor) -> float:
+    def scale(self, unit: int, partner: str) -> float:
+        """The lower median of the other partners' latest sizes on `unit`."""
+        with self._lock:
+            others = sorted(v for p, v in self._latest[unit].items() if p != partner)
+        if not others:
+            return FIRST_SCALE
+        return max(others[(len(others) - 1) // 2], 1e-4)  # floored: equal units differ by 0
+
+    def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor, partner: str = "") -> float:
         """Scale `diff` (remote - mine) in place to the allowed size; the relative size it
-        had. Raises Rejected("outlier") for one too far from the group's recent range."""
+        had. Raises Rejected("outlier") for one too far from the others' range."""
         # in float64: the squares of finite fp32 values (1e30) overflow fp32
         own = max(float(torch.linalg.vector_norm(mine, dtype=torch.float64)), 1e-12)
         size = float(torch.linalg.vector_norm(diff, dtype=torch.float64)) / own
         if not math.isfinite(size):
             raise Rejected("nonfinite", "the difference overflows")
+        typical = self.scale(unit, partner)
+        far = self.reject > 0 and size > self.reject * typical
+        if size > self.max_relative or far:
+            bound = (f"{self.reject:g} x the others' {typical:.3g}" if far
+                     else f"{self.max_relative:g} x its own norm")  # fmt: skip
+            raise Rejected("outlier", f"unit {unit} differs by {size:.3g} of its norm, "
+                                      f"beyond {bound}")  # fmt: skip
         with self._lock:
-            recent = sorted(self._recent[unit])
-            typical = None
-            if len(recent) >= self.warmup:  # floored: units equal so far have median 0
-                typical = max(recent[len(recent) // 2], 1e-4)
-            far = typical is not None and self.reject > 0 and size > self.reject * typical
-            if size > self.max_relative or far:
-                bound = (f"{self.reject:g} x the recent median {typical:.3g}" if far
-                         else f"{self.max_relative:g} x its own norm")  # fmt: skip
-                raise Rejected("outlier", f"unit {unit} differs by {size:.3g} of its norm, "
-                                          f"beyond {bound}")  # fmt: skip
-            # what is merged is what is remembered: a run of near-outliers, each clipped,
-            # cannot walk the median up
-            allowed = self.clip * typical if typical and self.clip else size
-            self._recent[unit].append(min(size, allowed))
+            latest = self._latest[unit]
+            latest.pop(partner, None)
+            latest[partner] = size
+            while len(latest) > self.partners:
+                latest.popitem(last=False)
+        allowed = self.clip * typical if self.clip else size
         if size > allowed:
             diff.mul_(allowed / size)
         return size
