@@ -192,7 +192,8 @@ def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert "Traceback" not in text, text[-2000:]
+    # (torch itself may log a warning with a traceback when an import hits EMFILE)
+    assert not any(line.startswith("Traceback") for line in text.splitlines()), text[-2000:]
     errors = [line for line in text.splitlines() if line.startswith("atom: error:")]
     assert (code, errors) == (0, []) or (code == 2 and len(errors) == 1), text[-2000:]
     if code == 0 or list((run / "checkpoints").glob("step_*")):

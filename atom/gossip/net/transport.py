@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from atom.errors import ConfigError
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
 from atom.gossip.net.limits import RequestLimits
@@ -117,25 +118,26 @@ class Server:
         self._threads: list[threading.Thread] = []
 
     def _listen(self, endpoint: str, patience_s: float = 0.0) -> zmq.Socket:
-        """A ROUTER bound to `endpoint`; retried for patience_s (a port just closed)."""
-        router = self.ctx.socket(zmq.ROUTER)
-        router.linger = 0
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise, not vanish
-        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)  # memory guard per frame
-        router.rcvhwm = router.sndhwm = 64
-        secure_server(router, self.keys)
+        """A ROUTER bound to `endpoint`; retried for patience_s (a port just closed, or
+        no file descriptor free yet while the old connections close)."""
         deadline = time.monotonic() + patience_s
         while True:
+            router = None
             try:
+                router = self.ctx.socket(zmq.ROUTER)
+                router.linger = 0
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise
+                router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)  # memory guard per frame
+                router.rcvhwm = router.sndhwm = 64
+                secure_server(router, self.keys)
                 router.bind(endpoint)
                 return router
             except zmq.ZMQError as err:
+                if router is not None:
+                    router.close(linger=0)
                 if time.monotonic() < deadline and not self.stop.is_set():
                     time.sleep(0.05)
                     continue
-                router.close()
-                from atom.config import ConfigError
-
                 raise ConfigError(f"cannot listen on {endpoint}: {err}") from None
 
     def start(self) -> str:
@@ -199,6 +201,8 @@ class Server:
                             "(no or wrong group key; zmq event %s)",
                             event.get("event"),
                         )
+        except ConfigError as err:  # could not listen again after a recycle
+            self.log.error("%s; this peer no longer serves gossip (training goes on)", err)
         except Exception:
             self.log.exception("gossip server I/O thread failed")
         finally:
@@ -243,7 +247,7 @@ class Server:
             )
         else:
             self.log.info("process memory grew %d MB (not gossip's); guard re-based", grown >> 20)
-        return self._listen(self.endpoint, patience_s=5.0)
+        return self._listen(self.endpoint, patience_s=30.0)
 
     def _send(self, router: zmq.Socket, frames: list) -> None:
         try:
