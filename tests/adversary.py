@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,55 @@ class Adversary:
         self.ctx.term()
 
 
+LISTEN = ("--listen", "tcp://127.0.0.1:0")
+
+
+def honest_group(root: Path, steps: int, poison: str | None) -> dict:
+    """Three honest peers (and, with `poison`, one poisoner) on loopback; their results."""
+    from tests import gossip_util as gu
+
+    shards, union = gu.make_shards(root)
+    runs = [root / f"h{k}" for k in range(3)]
+    common = ("--set", "gossip.wait_peers=2", "--set", "train.ckpt_interval=25")
+    procs = [gu.start(gu.peer_cmd(runs[0], shards[0], steps, 1, *LISTEN, *common), root / "h0.log")]
+    ep = gu.endpoint(runs[0], procs=procs)
+    for k in (1, 2):
+        cmd = gu.peer_cmd(runs[k], shards[k], steps, 1 + k, *LISTEN, "--join", ep, *common)
+        procs.append(gu.start(cmd, root / f"h{k}.log"))
+    bad = None
+    if poison is not None:
+        train = gu.peer_cmd(root / "p", shards[0], 10 * steps, 9, *LISTEN, "--join", ep,
+                            "--set", "gossip.interval_s=0.01")[3:]  # fmt: skip
+        cmd = [sys.executable, "-m", "tests.adversary", "poison", poison, "--", *train]
+        bad = gu.start(cmd, root / "p.log")
+    t0 = time.monotonic()
+    codes = gu.stop_all(procs, timeout=180)
+    wall = time.monotonic() - t0
+    if bad is not None:
+        bad.kill()
+        bad.wait(10)
+    losses = [gu.val_loss(r, union) for r in runs]
+    worst = 0.0
+    finite = True
+    for r in runs:
+        for ckpt in sorted((r / "checkpoints").glob("step_*")):
+            for t in gu.params(ckpt).values():
+                finite &= bool(torch.isfinite(t).all())
+                worst = max(worst, float(t.abs().max()))
+    counters = [gu.status(r).get("counters", {}) for r in runs]
+    total = lambda key: int(sum(c.get(key, 0) for c in counters))  # noqa: E731
+    return {
+        "codes": codes,
+        "val_loss": losses,
+        "mean_val_loss": sum(losses) / 3,
+        "max_abs_weight": worst,
+        "finite": finite,
+        "refused": total("rejected.outlier") + total("rejected.nonfinite"),
+        "served_refused": total("served.refused"),
+        "wall_s": wall,
+    }
+
+
 # what a poisoning member sends in place of a unit's weights x
 POISONS = {
     "flip": lambda x: -x,  # the difference is -2x: right at gossip.max_relative
@@ -163,8 +213,6 @@ def poisoner(mode: str, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     if len(sys.argv) < 4 or sys.argv[1] != "poison" or sys.argv[3] != "--":
         sys.exit("usage: python -m tests.adversary poison MODE -- TRAIN ARGS...")
     sys.exit(poisoner(sys.argv[2], sys.argv[4:]))

@@ -179,3 +179,16 @@ def test_a_pull_flood_is_dropped_past_the_rate(group):  # noqa: F811
     finally:
         sock.close()
         ctx.term()
+
+
+def test_a_partner_clipped_again_and_again_fades_out():
+    guard = DiffGuard(clip=3.0)
+    mine = torch.ones(100)
+    for k in range(3):
+        guard.admit(0, mine, torch.full((100,), 0.01), f"h{k}")
+    for n in range(1, 5):  # poison: clipped every time
+        guard.admit(0, mine, torch.full((100,), 1.0), "p")
+        assert guard.trust("p") == pytest.approx(1 / (1 + n))
+    assert guard.trust("h0") == 1.0
+    guard.admit(0, mine, torch.full((100,), 0.01), "p")  # came close: trusted again
+    assert guard.trust("p") == 1.0

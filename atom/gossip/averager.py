@@ -226,7 +226,7 @@ class Averager:
             self.on_reject(err, reply.address)
             self.counters.inc("exchange.failed")
             return False
-        self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them))
+        self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * self.guard.trust(partner.id))
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
         self.table.exchanged(
@@ -276,7 +276,8 @@ class Averager:
 
         def apply() -> None:  # after the reply is on its way: merging is off the critical path
             try:
-                self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them))
+                beta = safe_beta(w_me, w_them) * self.guard.trust(h["from"])
+                self.merge.merge(unit, snap, diff, beta)
                 self.table.served_exchange(h["from"])
                 self._served.append(time.monotonic())
                 self.counters.inc("served.ok")
