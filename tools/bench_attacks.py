@@ -1,10 +1,18 @@
-"""What a poisoning member does to honest peers: 3 honest peers on disjoint shards,
-trained together through gossip, with and without a 4th member that sends poison
-(tests/adversary.py POISONS) and claims an averaging weight of 1e18. Reports each honest
-peer's val loss on the union of the shards, the worst |weight| in their checkpoints, and
-what they refused and clipped.
+"""Attacks on a peer, measured (tests/adversary.py speaks the real protocol).
 
     python -m tools.bench_attacks poison [--modes flip,random,huge] [--steps 150]
+    python -m tools.bench_attacks resources [--attacks ids,pulls,endless] [--repeats 2]
+
+poison     3 honest peers on disjoint shards, trained together through gossip, with and
+           without a 4th member that sends poison (POISONS) and claims an averaging
+           weight of 1e18: each honest peer's val loss on the union of the shards, the
+           worst |weight| in their checkpoints, and how many messages they refused.
+resources  one training peer (`atom train`, gossip listening) under each attack for its
+           whole run, against the same run unattacked (interleaved, repeated): median
+           step time and the growth of its resident memory from before the attack.
+           ids: 15,000 fake peer ids introduced plus 100 ids pinging directly;
+           pulls: state pulls as fast as one client sends them (up to 10,000/s);
+           endless: one multipart message that never ends (raw ZMTP), reconnecting.
 
 Runs on loopback, each peer a child process (tests/gossip_util.py).
 """
@@ -13,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +55,146 @@ def cmd_poison(args: argparse.Namespace) -> None:
               f"| {r['refused']} |")  # fmt: skip
 
 
+# ------------------------------------------------------------------ resources
+STEPS_MODEL = ["--set", "model.n_layer=4", "--set", "model.d_model=128", "--set", "model.n_head=4"]
+
+
+def _fingerprint(run: Path) -> str:
+    """The victim's model fingerprint, from the config it wrote (as a member knows it)."""
+    from atom.config import Config
+    from atom.gossip.merge import UnitParams
+    from atom.train import build_engine
+
+    engine = build_engine(Config.from_dict(json.loads((run / "config.json").read_text())))
+    try:
+        return UnitParams(engine.shared_units()).fingerprint
+    finally:
+        engine.close()
+
+
+def _attack_ids(adv, stop) -> None:
+    from tests.adversary import Adversary
+
+    fake = [{"id": f"fake{k}", "ep": f"tcp://10.9.{k // 250}.{k % 250 + 1}:9", "inc": k,
+             "step": 0, "ready": True} for k in range(15_000)]  # fmt: skip
+    for k in range(0, len(fake), 250):
+        h = adv.header("ping", to=adv.victim, **{"from": f"loud{k // 250}"})
+        h.update(peers=fake[k : k + 250], links=[])
+        adv.send_raw(adv.frames(h))
+    louds = [Adversary(adv.endpoint, adv.group, adv.fingerprint, name=f"loud{k}")
+             for k in range(100)]  # fmt: skip
+    try:
+        while not stop.is_set():
+            for a in louds:
+                h = a.header("ping", to=adv.victim)
+                h.update(peers=[], links=[])
+                a.send_raw(a.frames(h))
+            stop.wait(0.5)
+    finally:
+        for a in louds:
+            a.close()
+
+
+def _attack_pulls(adv, stop) -> None:
+    import zmq
+
+    sent, t0 = 0, time.monotonic()
+    while not stop.is_set():
+        h = adv.header("sreq", to=adv.victim, unit=sent % 2, **{"from": f"p{sent % 50}"})
+        try:
+            adv.sock.send_multipart(adv.frames(h), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        sent += 1
+        while adv.sock.poll(0):
+            adv.sock.recv_multipart()
+        ahead = sent / 10_000 - (time.monotonic() - t0)  # at most 10k a second
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def _attack_endless(adv, stop) -> None:
+    while not stop.is_set():
+        try:
+            adv.endless_zmtp(1 << 20, 30.0, 1 << 40)
+        except OSError:
+            stop.wait(0.05)
+
+
+ATTACKS = {"ids": _attack_ids, "pulls": _attack_pulls, "endless": _attack_endless}
+
+
+def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict:
+    import psutil
+
+    from tests import gossip_util as gu
+    from tests.adversary import Adversary
+
+    run = work / f"victim_{attack or 'none'}"
+    args = gu.peer_cmd(run, data, steps, 1, "--listen", "tcp://127.0.0.1:0", *STEPS_MODEL,
+                       "--set", "train.eval_interval=0")  # fmt: skip
+    proc = gu.start(args, work / f"{run.name}.log")
+    peak = base = 0
+    try:
+        gu.wait_for(lambda: gu.status(run).get("endpoint"), 60, "the victim", [proc])
+        victim = gu.status(run)
+        child = psutil.Process(proc.pid)
+        base = child.memory_info().rss
+        stop = threading.Event()
+        thread = None
+        if attack is not None:
+            adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
+            adv.victim = victim["id"]
+            thread = threading.Thread(target=ATTACKS[attack], args=(adv, stop), daemon=True)
+            thread.start()
+        while proc.poll() is None:
+            try:
+                peak = max(peak, child.memory_info().rss - base)
+            except psutil.Error:
+                break
+            time.sleep(0.02)
+        stop.set()
+        if thread is not None:
+            thread.join(10)
+            adv.close()
+    finally:
+        gu.stop_all([proc], timeout=60)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step = statistics.median(r["step_time_s"] for r in recs[20:])
+    counters = gu.status(run).get("counters", {})
+    counted = {k: v for k, v in counters.items() if k.startswith(("rejected", "guard"))}
+    return {"attack": attack or "none", "code": proc.returncode, "step_s": step,
+            "rss_growth_mb": peak / 2**20, "steps": len(recs), "counters": counted}  # fmt: skip
+
+
+def cmd_resources(args: argparse.Namespace) -> None:
+    from tests import gossip_util as gu
+
+    attacks = args.attacks.split(",")
+    rows: dict[str, list[dict]] = {a: [] for a in ["none", *attacks]}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        shards, _ = gu.make_shards(work)
+        for r in range(args.repeats):
+            for attack in [None, *attacks]:  # each attack beside an unattacked run
+                sub = work / f"r{r}"
+                sub.mkdir(exist_ok=True)
+                result = attacked_run(sub, shards[0], args.steps, attack)
+                rows[result["attack"]].append(result)
+                print(json.dumps(result), flush=True)
+    base = statistics.median(x["step_s"] for x in rows["none"])
+    print("\n| attack | median step (ms) | vs none | RSS growth (MB) | exit | counted |")
+    print("|---|---|---|---|---|---|")
+    for attack, results in rows.items():
+        steps = [x["step_s"] for x in results]
+        grow = max(x["rss_growth_mb"] for x in results)
+        counted = ", ".join(f"{k} {int(v)}" for k, v in results[-1]["counters"].items())
+        print(f"| {attack} | {1000 * statistics.median(steps):.1f} "
+              f"({', '.join(f'{1000 * s:.1f}' for s in steps)}) "
+              f"| {statistics.median(steps) / base:.2f}x | {grow:.0f} "
+              f"| {[x['code'] for x in results]} | {counted or '-'} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +202,11 @@ def main() -> None:
     p.add_argument("--modes", default="flip,random,huge")
     p.add_argument("--steps", type=int, default=150)
     p.set_defaults(func=cmd_poison)
+    p = sub.add_parser("resources", help="step time and memory of a peer under attack")
+    p.add_argument("--attacks", default="ids,pulls,endless")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--repeats", type=int, default=2)
+    p.set_defaults(func=cmd_resources)
     args = parser.parse_args()
     args.func(args)
 
