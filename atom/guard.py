@@ -1,13 +1,14 @@
 """What a run must never do: train on, or save, weights that diverged or were poisoned.
 
-A loss that is not finite for PATIENCE steps in a row stops the run (one such step can be
-an fp16 overflow the loss scaler skips; poisoned weights give one every step, which the
-engine skips as non-finite gradients: without this the run would go on to its end and
-exit 0); before any checkpoint is written
-every weight is checked finite and within `train.max_abs_weight`. Either way the run
-ends with one line naming the step and the newest good checkpoint (which was not
-overwritten) and a non-zero exit: a diverged fp16 run, a too-high learning rate, or a
-peer that sent poison (atom/gossip/robust.py stops most of those first).
+A loss that is not finite for PATIENCE steps in a row (one such step can be an fp16
+overflow the loss scaler skips; poisoned weights give one every step, which the engine
+skips as non-finite gradients), or a weight not finite or beyond `train.max_abs_weight`
+found before a checkpoint is written, raises TrainingError. The trainer then rolls back
+to the newest checkpoint (train.py, at most MAX_ROLLBACKS times), stops mixing with every
+peer merged since it was written, and goes on; with no checkpoint, or when it happens
+again, the run ends with one line naming the step and the newest good checkpoint (which
+was never overwritten) and a non-zero exit: a diverged fp16 run, a too-high learning
+rate, or a peer that sent poison (atom/gossip/robust.py stops most of those first).
 """
 
 from __future__ import annotations

@@ -76,6 +76,15 @@ class RunLog:
     def close_bar(self) -> None:
         self.bar.close()
 
+    def rewind(self, step: int) -> None:
+        """A rollback to `step`: the records after it leave metrics.jsonl (they are
+        trained again) and the bar goes back."""
+        self._file.close()
+        RunLog.trim(self.path.parent, step)
+        self._file = self.path.open("a")
+        self.bar.n = step
+        self.bar.refresh()
+
     def close(self) -> None:
         """The bar, the file and every logger (each closed even if one fails)."""
         self.bar.close()

@@ -22,6 +22,7 @@ from atom.config import Config, ConfigError, ModelConfig, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
 from atom.engine import Engine
+from atom.errors import TrainingError
 from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
 from atom.run_log import RunLog
@@ -29,6 +30,7 @@ from atom.signals import Interrupts
 
 log = logging.getLogger(__name__)
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+MAX_ROLLBACKS = 2  # to the newest checkpoint, when the loss or the weights go bad
 SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
 
 
@@ -163,6 +165,8 @@ class Trainer:
 
             load_weights(self.engine, cfg, tokenizer=self.data.meta.tokenizer)
         self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
+        self._rollbacks = 0
+        self._saved_at = getattr(self, "_saved_at", time.monotonic())
         self.gossip = None
         if cfg.gossip.enabled:  # peers: listen, join, copy the group's weights and step
             from atom.gossip.peer import attach_gossip
@@ -222,6 +226,7 @@ class Trainer:
             ) from None
         self.engine.load_state(get, steps > 0, steps)
         self.start_step = ckpt.step
+        self._saved_at = time.monotonic()  # what a rollback returns to is this state
         log.info("resumed from %s at step %d", ckpt.path, self.start_step)
 
     def _newest_checkpoint(self) -> Path | None:
@@ -258,13 +263,15 @@ class Trainer:
             "rng": _rng_state(),
             **self.engine.run_state(),  # loss_scale, clip
         }
-        return save_checkpoint(
+        path = save_checkpoint(
             self.out,
             step,
             self.engine.state_files(),
             meta,
             keep=max(1, self.cfg.train.keep_checkpoints),
         )
+        self._saved_at = time.monotonic()  # a rollback distrusts peers merged after this
+        return path
 
     # ------------------------------------------------------------ loop
     def evaluate(self) -> float:
@@ -372,7 +379,8 @@ class Trainer:
         tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
         t_prev = time.perf_counter()
         losses = LossWatch()
-        for step in range(self.start_step, end):
+        step = self.start_step
+        while step < end:
             interrupts.at_step_boundary()
             batches = [self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)]
             lr = lr_at(step, tc)
@@ -380,7 +388,12 @@ class Trainer:
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
             rates.append(tokens_per_step / dt)
-            losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
+            try:
+                losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
+            except TrainingError as err:
+                step, losses = self._roll_back(err, summary), LossWatch()
+                t_prev = time.perf_counter()
+                continue
             record = self._record(step + 1, result, lr, rates[-1], dt)
             if self.gossip is not None:
                 self.gossip.after_step(step + 1)
@@ -392,10 +405,39 @@ class Trainer:
             self.run_log.step(record, self.gossip.postfix() if self.gossip is not None else {})
             summary.history.append(record)
             summary.steps, summary.last_loss = done, result.loss
+            step = done
             if tc.ckpt_interval and done % tc.ckpt_interval == 0:
-                with interrupts.saving():
-                    summary.checkpoint, self._saved_step = self.save(done), done
+                try:
+                    with interrupts.saving():
+                        summary.checkpoint, self._saved_step = self.save(done), done
+                except TrainingError as err:  # weights gone bad: not saved
+                    step, losses = self._roll_back(err, summary), LossWatch()
                 t_prev = time.perf_counter()
+
+    def _roll_back(self, err: TrainingError, summary: RunSummary) -> int:
+        """The loss stopped being finite, or a save found bad weights: reload the newest
+        checkpoint, stop mixing with every peer merged since it was written, and go on
+        from its step. After MAX_ROLLBACKS, or with no checkpoint, the run stops (err)."""
+        newest = self._newest_checkpoint()
+        if newest is None or self._rollbacks >= MAX_ROLLBACKS:
+            if self._rollbacks:
+                what, _, rest = str(err).partition("; ")
+                n = self._rollbacks
+                raise TrainingError(f"{what} again after {n} rollback(s); {rest}") from None
+            raise err
+        self._rollbacks += 1
+        dropped = self.gossip.distrust_since(self._saved_at) if self.gossip is not None else []
+        peers = f"; not mixing with {', '.join(dropped)} for now" if dropped else ""
+        log.warning("%s; rolling back to %s (%d of %d)%s", str(err).partition("; ")[0],
+                    newest, self._rollbacks, MAX_ROLLBACKS, peers)  # fmt: skip
+        self._restore(load_checkpoint(newest))
+        step = self.start_step
+        self.run_log.rewind(step)
+        summary.history = [r for r in summary.history if r["step"] <= step]
+        summary.steps = step
+        if self.gossip is not None:
+            self.gossip.after_step(step)
+        return step
 
     def _record(self, done: int, result, lr: float, rate: float, dt: float) -> dict:
         record = {

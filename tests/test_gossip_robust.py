@@ -192,3 +192,15 @@ def test_a_partner_clipped_again_and_again_fades_out():
     assert guard.trust("h0") == 1.0
     guard.admit(0, mine, torch.full((100,), 0.01), "p")  # came close: trusted again
     assert guard.trust("p") == 1.0
+
+
+def test_a_rollback_distrusts_the_peers_merged_since_the_checkpoint(group):  # noqa: F811
+    import time
+
+    a = group("a", seed=1)
+    saved_at = time.monotonic()
+    group("b", seed=2, join=a.endpoint)
+    wait_until(lambda: a.counters.get("exchange.ok") + a.counters.get("served.ok") > 0)
+    assert a.distrust_since(saved_at) == ["b"] and a.table.penalised("b")
+    assert all(p.id != "b" for p in a.table.candidates())
+    assert a.distrust_since(time.monotonic() + 1) == []

@@ -99,3 +99,45 @@ def test_a_save_out_of_open_files_is_tried_again(tmp_path, text_dataset, monkeyp
     with pytest.raises(CheckpointError, match="open files"):
         trainer.save(2)
     assert len(list_checkpoints(tmp_path / "run")) == 1
+
+
+@pytest.mark.parametrize(("interval", "calls_made"), [(2, 12), (4, 14)], ids=["save", "loss"])
+def test_a_passing_poisoning_is_rolled_back_and_the_run_goes_on(
+    tmp_path, text_dataset, interval, calls_made
+):
+    """Weights poisoned once (a merge that slipped through): the next save refuses them (or
+    three non-finite losses in a row would), the newest checkpoint is reloaded and
+    training goes on from its step; the run ends normally with clean checkpoints and one
+    record per step in metrics.jsonl."""
+    import json
+
+    cfg = tiny_config(train={"max_steps": 10, "ckpt_interval": interval, "data": str(text_dataset)})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    real, calls = trainer.engine.train_step, [0]
+
+    def poison_once(batches, lr, stop=None):
+        result = real(batches, lr, stop)
+        calls[0] += 1
+        if calls[0] == 5:  # after step 5: the save at step 6 finds it (interval 2), or
+            # steps 6, 7, 8 have NaN losses and the third rolls back to step 4 (interval 4)
+            next(iter(trainer.engine.named_parameters().values())).view(-1)[0] = float("nan")
+        return result
+
+    trainer.engine.train_step = poison_once
+    summary = trainer.run()
+    assert summary.steps == 10 and calls[0] == calls_made
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run/metrics.jsonl").open()]
+    assert steps == list(range(1, 11))
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.step == 10
+    assert all(bool(torch.isfinite(ckpt.get(n)).all()) for n in ckpt.names())
+
+
+def test_poisoning_that_persists_stops_after_two_rollbacks(tmp_path, text_dataset):
+    cfg = tiny_config(train={"max_steps": 20, "ckpt_interval": 2, "data": str(text_dataset)})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    _poison_after(trainer, 3, float("nan"))  # every step from the 3rd call on
+    with pytest.raises(TrainingError, match="again after 2 rollback") as err:
+        trainer.run()
+    assert "\n" not in str(err.value) and "step_00000002" in str(err.value)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000002"]

@@ -343,6 +343,17 @@ class GossipPeer:
         ready = [p for p in self.table.alive() if p.ready]
         return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
 
+    def distrust_since(self, since: float) -> list[str]:
+        """The run rolled back to a checkpoint written at `since` (monotonic): every peer
+        merged with after it is penalised (neither chosen nor served for
+        gossip.penalty_s); their ids."""
+        with self.table.lock:
+            ids = [p.id for p in self.table.peers.values()
+                   if p.last_exchange is not None and p.last_exchange > since]  # fmt: skip
+        for pid in ids:
+            self.table.penalise(pid)
+        return sorted(ids)
+
     def after_step(self, step: int) -> None:
         """Called by the trainer after each optimizer step: no locks, no waiting."""
         self.step = step
