@@ -162,7 +162,7 @@ def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step = statistics.median(r["step_time_s"] for r in recs[20:])
     counters = gu.status(run).get("counters", {})
-    counted = {k: v for k, v in counters.items() if k.startswith(("rejected", "guard"))}
+    counted = {k: v for k, v in counters.items() if k.startswith(("rejected", "guard", "server"))}
     return {"attack": attack or "none", "code": proc.returncode, "step_s": step,
             "rss_growth_mb": peak / 2**20, "steps": len(recs), "counters": counted}  # fmt: skip
 

@@ -101,7 +101,7 @@ def _trim() -> None:
 
 
 class InboundMemoryGuard:
-    def __init__(self, limit_bytes: int, every_s: float = 0.05, read=None, trim=_trim):
+    def __init__(self, limit_bytes: int, every_s: float = 0.02, read=None, trim=_trim):
         self.limit, self.every_s = limit_bytes, every_s
         self.read = read or (AnonMemory() if limit_bytes > 0 else (lambda: 0))
         self.trim = trim
