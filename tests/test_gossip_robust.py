@@ -204,21 +204,3 @@ def test_a_rollback_distrusts_the_peers_merged_since_the_checkpoint(group):  # n
     assert a.distrust_since(saved_at) == ["b"] and a.table.penalised("b")
     assert all(p.id != "b" for p in a.table.candidates())
     assert a.distrust_since(time.monotonic() + 1) == []
-
-
-def test_a_partner_that_never_comes_closer_is_refused_a_straggler_is_not():
-    from atom.gossip.robust import SUSPECT_AFTER
-
-    guard = DiffGuard(clip=3.0)
-    mine = torch.ones(100)
-    for k in range(3):
-        guard.admit(0, mine, torch.full((100,), 0.01), f"h{k}")
-    for _ in range(SUSPECT_AFTER - 1):  # poison: as far every time
-        guard.admit(0, mine, torch.full((100,), 1.0), "p")
-    with pytest.raises(Rejected, match="without coming closer"):
-        guard.admit(0, mine, torch.full((100,), 1.0), "p")
-    assert guard.trust("p") == 1.0  # refused and penalised (the peer's part): a new start
-    size = 1.0
-    for _ in range(2 * SUSPECT_AFTER):  # a straggler: clipped, but closer each time
-        size *= 0.8
-        guard.admit(0, mine, torch.full((100,), size), "s")
