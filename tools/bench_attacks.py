@@ -136,7 +136,8 @@ def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict
     proc = gu.start(args, work / f"{run.name}.log")
     peak = base = 0
     try:
-        gu.wait_for(lambda: gu.status(run).get("endpoint"), 60, "the victim", [proc])
+        gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
+                    60, "the victim", [proc])  # fmt: skip
         victim = gu.status(run)
         child = psutil.Process(proc.pid)
         base = child.memory_info().rss
