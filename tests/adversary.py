@@ -139,13 +139,14 @@ class Adversary:
 LISTEN = ("--listen", "tcp://127.0.0.1:0")
 
 
-def honest_group(root: Path, steps: int, poison: str | None) -> dict:
-    """Three honest peers (and, with `poison`, one poisoner) on loopback; their results."""
+def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = ()) -> dict:
+    """Three honest peers (and, with `poison`, one poisoner) on loopback; their results.
+    `honest`: more `atom train` arguments for the honest peers (e.g. their guards off)."""
     from tests import gossip_util as gu
 
     shards, union = gu.make_shards(root)
     runs = [root / f"h{k}" for k in range(3)]
-    common = ("--set", "gossip.wait_peers=2", "--set", "train.ckpt_interval=25")
+    common = ("--set", "gossip.wait_peers=2", "--set", "train.ckpt_interval=25", *honest)
     procs = [gu.start(gu.peer_cmd(runs[0], shards[0], steps, 1, *LISTEN, *common), root / "h0.log")]
     ep = gu.endpoint(runs[0], procs=procs)
     for k in (1, 2):

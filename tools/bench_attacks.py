@@ -1,6 +1,7 @@
 """Attacks on a peer, measured (tests/adversary.py speaks the real protocol).
 
     python -m tools.bench_attacks poison [--modes flip,random,huge] [--steps 150]
+        [--honest-set gossip.clip_factor=0]  (the honest peers' own settings)
     python -m tools.bench_attacks resources [--attacks ids,pulls,endless] [--repeats 2]
 
 poison     3 honest peers on disjoint shards, trained together through gossip, with and
@@ -41,7 +42,8 @@ def cmd_poison(args: argparse.Namespace) -> None:
         for mode in [None, *args.modes.split(",")]:
             root = Path(tmp) / (mode or "clean")
             root.mkdir()
-            result = honest_group(root, args.steps, mode)
+            honest = tuple(x for kv in args.honest_set for x in ("--set", kv))
+            result = honest_group(root, args.steps, mode, honest)
             result["mode"] = mode or "none"
             rows.append(result)
             print(json.dumps(result), flush=True)
@@ -202,6 +204,8 @@ def main() -> None:
     p = sub.add_parser("poison", help="honest val loss with and without a poisoning member")
     p.add_argument("--modes", default="flip,random,huge")
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--honest-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for the honest peers, e.g. gossip.clip_factor=0")  # fmt: skip
     p.set_defaults(func=cmd_poison)
     p = sub.add_parser("resources", help="step time and memory of a peer under attack")
     p.add_argument("--attacks", default="ids,pulls,endless")
