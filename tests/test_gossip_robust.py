@@ -204,3 +204,17 @@ def test_a_rollback_distrusts_the_peers_merged_since_the_checkpoint(group):  # n
     assert a.distrust_since(saved_at) == ["b"] and a.table.penalised("b")
     assert all(p.id != "b" for p in a.table.candidates())
     assert a.distrust_since(time.monotonic() + 1) == []
+
+
+def test_the_replay_window_assumes_no_order_and_forgets_with_time():
+    from atom.gossip.net.replay import ReplayWindow
+
+    w = ReplayWindow(horizon_s=10.0, per_sender=4, max_senders=2)
+    assert w.fresh("b", 1, 2**62, now=0.0)  # a forged huge rid blocks nothing after it
+    assert w.fresh("b", 1, 5, now=0.0) and not w.fresh("b", 1, 5, now=1.0)
+    assert w.fresh("b", 2, 5, now=1.0)  # another incarnation: its own ids
+    assert w.fresh("b", 1, 3, now=1.0)  # an early-drawn id arriving late
+    assert w.fresh("b", 1, 5, now=12.0)  # past the horizon: forgotten
+    for rid in range(10):
+        w.fresh("c", 1, rid, now=13.0)
+    assert len(w._seen) == 2 and all(len(v) <= 4 for v in w._seen.values())

@@ -165,11 +165,12 @@ class PeerTable:
         its endpoint confirms it (nack leaving, or silence) or refutes it (pong)."""
         with self.lock:
             p = self.peers.get(pid)
-            if p is not None and p.incarnation == inc:
-                if not proven and p.status == "alive":
+            if not proven:  # never further than "leaving": sweep or the peer itself decides
+                if p is not None and p.incarnation == inc and p.status == "alive":
                     p.status, p.ready = "leaving", False
                     p.next_ping = 0.0
-                    return
+                return
+            if p is not None and p.incarnation == inc:
                 p.status, p.ready = "left", False
             if p is None or p.incarnation == inc:
                 self.tombstones[pid] = inc
@@ -390,9 +391,14 @@ class Membership:
             if reply is None:
                 continue
             h = reply.header
+            addressed = by_endpoint.get(ep)  # None: a seed whose owner we do not know yet
+            if addressed is not None and h["from"] != addressed:
+                continue  # someone else answers there: proves nothing about either
             proof = self.proven or h["ep"] == ep  # it answered from where it says it is
-            if h["kind"] == "nack" and h.get("reason") == "leaving" and proof:
-                self.table.left(h["from"], h["inc"])
+            if h["kind"] == "nack" and h.get("reason") == "leaving":
+                known = self.table.get(h["from"])
+                if proof and known is not None and known.endpoint == ep:
+                    self.table.left(h["from"], h["inc"])
                 continue
             if h["kind"] != "pong":
                 continue

@@ -346,12 +346,14 @@ class GossipPeer:
     def distrust_since(self, since: float) -> list[str]:
         """The run rolled back to a checkpoint written at `since` (monotonic): every peer
         merged with after it is penalised (neither chosen nor served for
-        gossip.penalty_s); their ids."""
+        gossip.penalty_s), and the merge's own state (DiLoCo's outer copy and momentum)
+        starts again from the restored weights; the penalised ids."""
         with self.table.lock:
             ids = [p.id for p in self.table.peers.values()
                    if p.last_exchange is not None and p.last_exchange > since]  # fmt: skip
         for pid in ids:
             self.table.penalise(pid)
+        self.merge.reset()
         return sorted(ids)
 
     def after_step(self, step: int) -> None:

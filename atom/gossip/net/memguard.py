@@ -101,12 +101,13 @@ def _trim() -> None:
 
 
 class InboundMemoryGuard:
-    def __init__(self, limit_bytes: int, every_s: float = 0.02, read=None, trim=_trim):
+    def __init__(self, limit_bytes: int, every_s: float = 0.05, read=None, trim=_trim):
         self.limit, self.every_s = limit_bytes, every_s
         self.read = read or (AnonMemory() if limit_bytes > 0 else (lambda: 0))
         self.trim = trim
         self.floor = self.level = self.read()
         self._next = self._next_files = 0.0
+        self._hold_floor_until = 0.0  # after growth that was not ours: the floor stays up
         _libc()  # loaded now: at a recycle the open-file limit may be exhausted
 
     def files_over(self, share: float = 0.75, every_s: float = 1.0) -> int:
@@ -131,6 +132,17 @@ class InboundMemoryGuard:
         self._next_files = now + 5.0  # not more often: the files may not be gossip's
         return n
 
+    def files_recycled(self, before: int) -> None:
+        """After a recycle for files, with the listener closed: if the count did not come
+        down, the files are not gossip's; leave them alone for a minute."""
+        time.sleep(0.2)  # libzmq closes the connections in its own thread
+        try:
+            n = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            n = before
+        if n > 0.9 * before:
+            self._next_files = time.monotonic() + 60.0
+
     @property
     def enabled(self) -> bool:
         return self.limit > 0
@@ -143,7 +155,8 @@ class InboundMemoryGuard:
             return 0
         self._next = now + self.every_s
         self.level = self.read()
-        self.floor = min(self.floor, self.level)
+        if now >= self._hold_floor_until:
+            self.floor = min(self.floor, self.level)
         grown = self.level - self.floor
         return grown if grown > self.limit else 0
 
@@ -157,7 +170,10 @@ class InboundMemoryGuard:
         freed = max(0, self.level - level)
         if level > self.floor + self.limit // 2:
             log.debug("memory grew %d MB for other reasons: new floor", (level - self.floor) >> 20)
+            # held for a minute: a training step that allocates and frees more than the
+            # limit would otherwise lower the floor again and cost a recycle every step
             self.floor = level
+            self._hold_floor_until = time.monotonic() + 60.0
         return freed
 
     def close(self) -> None:

@@ -2,49 +2,48 @@
 that peer's incarnation (one counter per peer, shared by all its sockets), so a request
 seen once is refused when it comes again.
 
-Requests from one sender arrive nearly in order (several threads send), so per (sender,
-incarnation) we keep the ids seen within a window below the highest one; an id below
-the window, or seen in it, is a replay. A captured exchange sent again four times was
-merged four times before this. State is bounded: `window` ids per sender, and at most
-`max_senders` senders (the least recently heard forgotten first; a forgotten sender's
-old requests could be replayed once more, which needs 4x the peer table of fresh ids).
+Per (sender, incarnation) we remember the rids seen in the last `horizon_s` seconds (at
+most `per_sender` of them, the oldest forgotten first), for at most `max_senders`
+senders (the least recently heard forgotten first). No ordering is assumed: a large
+exchange drawn early can arrive after a thousand pings, and a forged very high rid
+blocks nothing (an earlier version refused every rid below a sliding window, so one
+forged rid of 2^62 in a peer's name cut that peer off). A captured exchange sent again
+four times was merged four times before this; one replayed after the horizon, or after
+its sender was forgotten, would be merged again: in an open group anyone can forge a
+fresh message anyway, and in a keyed group CURVE refuses replays from outside.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 
 
 class ReplayWindow:
-    def __init__(self, window: int = 1024, max_senders: int = 1024):
-        self.window, self.max_senders = window, max_senders
-        # (id, incarnation) -> (highest rid seen, rids seen in (highest - window, highest])
-        self._seen: collections.OrderedDict[tuple[str, int], tuple[int, set[int]]] = (
-            collections.OrderedDict()
-        )
+    def __init__(self, horizon_s: float = 600.0, per_sender: int = 2048, max_senders: int = 256):
+        self.horizon_s, self.per_sender, self.max_senders = horizon_s, per_sender, max_senders
+        # (id, incarnation) -> rid -> when it was seen (insertion order = age)
+        self._seen: collections.OrderedDict[tuple[str, int], collections.OrderedDict[int, float]]
+        self._seen = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def fresh(self, sender: str, incarnation: int, rid: int) -> bool:
-        """True the first time (sender, incarnation, rid) is seen; False for a replay or a
-        request too old to tell (below the window)."""
+    def fresh(self, sender: str, incarnation: int, rid: int, now: float | None = None) -> bool:
+        """True the first time (sender, incarnation, rid) is seen within the horizon."""
+        now = time.monotonic() if now is None else now
         key = (sender, incarnation)
         with self._lock:
-            entry = self._seen.get(key)
-            if entry is None:
-                self._seen[key] = (rid, {rid})
-                while len(self._seen) > self.max_senders:
-                    self._seen.popitem(last=False)
-                return True
-            self._seen.move_to_end(key)
-            top, seen = entry
-            if rid <= top - self.window or rid in seen:
+            seen = self._seen.pop(key, None)
+            if seen is None:
+                seen = collections.OrderedDict()
+            self._seen[key] = seen  # most recently heard last
+            while len(self._seen) > self.max_senders:
+                self._seen.popitem(last=False)
+            while seen and (
+                len(seen) >= self.per_sender or next(iter(seen.values())) < now - self.horizon_s
+            ):
+                seen.popitem(last=False)
+            if rid in seen:
                 return False
-            seen.add(rid)
-            if rid > top:
-                top = rid
-                floor = top - self.window
-                if len(seen) > self.window:  # drop what fell below the window
-                    seen = {r for r in seen if r > floor}
-            self._seen[key] = (top, seen)
+            seen[rid] = now
             return True

@@ -234,12 +234,19 @@ class Server:
             self.log.exception("gossip server I/O thread failed")
         finally:
             if router is not None:
+                if paused_until:  # unregistered for the pause: _unwatch expects it polled
+                    poller.register(router, zmq.POLLIN)
                 self._unwatch(router, monitor, poller)
             pull.close(linger=0)
 
     def _watch(self, router: zmq.Socket, poller: zmq.Poller) -> zmq.Socket | None:
         poller.register(router, zmq.POLLIN)
-        monitor = router.get_monitor_socket(_HANDSHAKE_FAILED) if self.keys else None
+        monitor = None
+        if self.keys:
+            try:  # only for the log line on failed handshakes: not worth dying for
+                monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
+            except zmq.ZMQError as err:  # EMFILE, during the very recycle that frees files
+                self.log.debug("no handshake monitor: %s", err)
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         return monitor
@@ -257,6 +264,8 @@ class Server:
         every connection (and the unfinished messages libzmq holds for them), check, and
         listen again (memguard.py)."""
         freed = self.memory.settle() if grown else 0
+        if files:
+            self.memory.files_recycled(files)
         self.counters.inc("guard.recycled")
         if files:
             self.counters.inc("guard.files")
@@ -383,6 +392,7 @@ class Server:
     def _worker(self) -> None:
         push = self.ctx.socket(zmq.PUSH)
         push.linger = 0
+        push.sndtimeo = 1000  # the I/O thread gone (stopped): drop, never block for good
         push.connect(self._inproc)
         try:
             while not self.stop.is_set():
@@ -408,7 +418,10 @@ class Server:
                     dest = (incoming.header["from"], incoming.header["ep"])
                     if not self.shaper.wait(dest, len(data) + frames_nbytes(buffers), self.stop):
                         break
-                    push.send_multipart([ident, data, *buffers], copy=False)
+                    try:
+                        push.send_multipart([ident, data, *buffers], copy=False)
+                    except zmq.Again:
+                        self.counters.inc("sent.dropped")
                 finally:
                     if after is not None:
                         after()
