@@ -289,3 +289,20 @@ def test_keygen_bundles_and_adding_a_peer(tmp_path):
         keygen(tmp_path / "g", ["bob"])
     with pytest.raises(ConfigError, match="not a peer bundle"):
         load_bundle(tmp_path / "g")
+
+
+def test_forged_pings_keep_no_ghost_where_a_restarted_peer_cannot_move_in():
+    """b crashed; someone keeps pinging in its old name and address (both public). The
+    restarted b, at a new address, is adopted once it answers there: the old address
+    stopped answering our own pings, whatever was said in its name."""
+    t = PeerTable("me", dead_after=0.2, penalty_s=10)
+    old = {"from": "b", "inc": 1, "ep": "tcp://127.0.0.1:1", "kind": "ping", "ready": True,
+           "step": 5, "samples": 20}  # fmt: skip
+    t.heard(old, proven=True)  # it answered our ping there once
+    new = dict(old, inc=2, ep="tcp://127.0.0.1:2")
+    t.heard(new, proven=True)  # the old address still answers: not moved
+    assert t.get("b").endpoint == old["ep"]
+    time.sleep(0.25)
+    t.heard(old)  # a forged ping in the ghost's name: refreshes nothing that matters
+    t.heard(new, proven=True)  # the restarted b answered at its new address
+    assert (t.get("b").endpoint, t.get("b").incarnation) == (new["ep"], 2)

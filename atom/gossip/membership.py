@@ -56,6 +56,7 @@ class PeerState:
     step: int = 0
     samples: int = 0
     last_heard: float | None = None  # last direct message from it
+    answered: float | None = None  # last proven message: a reply from its endpoint
     bw: float | None = None  # bytes/s, measured by us
     rtt: float | None = None  # seconds, measured by us
     their_links: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -104,7 +105,10 @@ class PeerTable:
                 return None  # a late message from a peer that already said goodbye
             p = self.peers.get(pid)
             if p is not None and (p.endpoint, p.incarnation) != (h["ep"], h["inc"]):
-                moving = p.status in ("alive", "leaving") and p.endpoint != h["ep"]
+                # the old address holds only while it still answers our own pings: forged
+                # pings in its name (its address is public) must not keep a ghost there
+                answering = p.answered is not None and now - p.answered <= self.dead_after
+                moving = answering and p.endpoint != h["ep"]
                 if not proven or moving:  # check it ourselves (ping_targets)
                     if pid in self.claims or len(self.claims) < self.max_peers:
                         self.claims[pid] = (h["ep"], h["inc"], now)
@@ -121,6 +125,8 @@ class PeerTable:
                 self.forged += 1  # it answered from its endpoint: the goodbye was not its own
             self.claims.pop(pid, None)
             p.endpoint, p.status, p.last_heard = h["ep"], "alive", now
+            if proven:
+                p.answered = now
             p.ready, p.step, p.samples = h["ready"], h["step"], h["samples"]
             if "load" in h:
                 p.load = h["load"]
