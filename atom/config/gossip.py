@@ -101,7 +101,7 @@ class GossipConfig:
     # incoming messages left unfinished may hold this much memory (at least 8 of the
     # largest message) before every gossip connection is dropped and the listener
     # reopened (atom/gossip/net/memguard.py); 0: off
-    recv_guard_mb: float = 32.0
+    recv_guard_mb: float = 64.0
     reject_factor: float = 0.0
     probe_kb: int = 256  # bandwidth probe sent to each new peer
 
