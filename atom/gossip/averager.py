@@ -31,9 +31,10 @@ import torch
 from atom.config import ConfigError
 from atom.gossip.membership import PeerState, PeerTable, ewma
 from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
+from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import Codec, decode_checked, get_codec, roundtrip
 from atom.gossip.net.counters import Counters
-from atom.gossip.net.transport import Client, Incoming, Reply
+from atom.gossip.net.transport import Incoming, Reply
 from atom.gossip.net.wire import Rejected
 from atom.gossip.robust import DiffGuard, safe_beta
 from atom.gossip.selection import Selector

@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom.gossip.net.transport import Client, Incoming
+from atom.gossip.net.client import Client
+from atom.gossip.net.transport import Incoming
 from atom.gossip.net.wire import MAX_LISTED
 
 EWMA = 0.3  # weight of a new link measurement

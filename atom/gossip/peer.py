@@ -32,11 +32,12 @@ from atom.engine import SharedUnit
 from atom.gossip.averager import Averager, GossipError
 from atom.gossip.membership import Membership, PeerState, PeerTable, handle_control
 from atom.gossip.merge import UnitParams, make_merge
+from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import get_codec
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
 from atom.gossip.net.shaping import LinkShaper
-from atom.gossip.net.transport import MISMATCHES, Client, Incoming, Reply, Server
+from atom.gossip.net.transport import MISMATCHES, Incoming, Reply, Server
 from atom.gossip.net.wire import PROTOCOL, Expect, Rejected
 from atom.gossip.robust import DiffGuard
 from atom.gossip.selection import make_selector

@@ -1,15 +1,15 @@
-"""ZeroMQ transport: one ROUTER server per peer, DEALER clients owned by one thread each.
+"""ZeroMQ transport, the server side: one ROUTER per peer (the clients, DEALER sockets
+owned by one thread each, are in client.py).
 
 Server: an I/O thread owns the ROUTER (and nothing else touches it: zmq sockets are not
 thread-safe). It validates every message (wire.parse_header, check_frames, size limit)
 before anyone sees it, answers cheap kinds (ping, probe, bye) inline, and hands heavy
 kinds (exchanges, state pulls) to a small worker pool, whose replies come back over an
 inproc socket for the I/O thread to send. So a slow exchange never delays a heartbeat,
-and a full pool answers `busy` instead of queueing without bound.
-
-Client: a DEALER per destination, created lazily, with LINGER 0; a request waits for its
-reply (matched by rid) with a poll timeout, and on timeout the socket is closed, which
-drops anything still queued for a dead peer. Nothing here blocks without a timeout.
+and a full pool answers `busy` instead of queueing without bound. Before a message is
+handed on: the thread's message budget, the sender's rate (limits.py), its identity,
+destination and rid (replay.py); around it all, the memory and open-file guard
+(memguard.py) that recycles the listener.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from atom.errors import ConfigError
 from atom.gossip.net.counters import Counters, LogLimiter
-from atom.gossip.net.keys import GroupKeys, secure_client, secure_server
+from atom.gossip.net.keys import GroupKeys, secure_server
 from atom.gossip.net.limits import RateLimiter, RequestLimits
 from atom.gossip.net.memguard import InboundMemoryGuard
 from atom.gossip.net.replay import ReplayWindow
@@ -68,7 +67,7 @@ class Incoming:
     received: float = field(default_factory=time.monotonic)
 
 
-def _prop(frame: Any, name: str) -> str:
+def frame_property(frame: Any, name: str) -> str:
     try:
         return frame.get(name) or ""
     except (zmq.ZMQError, AttributeError, TypeError):
@@ -296,7 +295,7 @@ class Server:
 
     def _handle(self, router: zmq.Socket, msg: list) -> None:
         ident, parts = msg[0], msg[1:]
-        address = _prop(parts[0], "Peer-Address") if parts else ""
+        address = frame_property(parts[0], "Peer-Address") if parts else ""
         nbytes = sum(len(f) for f in parts)
         self.counters.inc("recv.msgs")
         self.counters.inc("recv.bytes", nbytes)
@@ -345,7 +344,7 @@ class Server:
         if kind not in REQUESTS:
             raise Rejected("schema", f"{kind} from {claimed!r} is a reply, not a request")
         if self.keys is not None:  # the channel's own name: ZAP User-Id, the key's file name
-            user = _prop(first, "User-Id")
+            user = frame_property(first, "User-Id")
             if claimed != user:
                 raise Rejected("identity", f"sent as {claimed!r} over {user or 'another'}'s key")
         if header["to"] != self.me and not (kind == "ping" and header["to"] == ""):
@@ -457,149 +456,3 @@ class _NoRequest:
 
 
 MISMATCHES = ("group", "fingerprint", "version")  # a peer of another run, not an attacker
-
-
-class Client:
-    """Request/reply over DEALER sockets; one instance per thread (sockets are not
-    thread-safe). Every wait is bounded; a timed-out socket is closed and rebuilt."""
-
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        keys: GroupKeys | None,
-        expect: Expect,
-        max_bytes: int,
-        shaper: LinkShaper,
-        counters: Counters,
-        on_reject: Callable[[Rejected, str], None],
-        stop: threading.Event,
-        me: str = "",
-        rids: Iterator[int] | None = None,
-    ):
-        self.ctx, self.keys, self.expect, self.max_bytes = ctx, keys, expect, max_bytes
-        self.shaper, self.counters, self.on_reject, self.stop = shaper, counters, on_reject, stop
-        self.me = me
-        self._socks: dict[str, zmq.Socket] = {}
-        # one counter for all of a peer's clients: servers refuse a (sender, rid) seen before
-        self._rid = rids if rids is not None else itertools.count(random.getrandbits(40))
-
-    def next_rid(self) -> int:
-        return next(self._rid)
-
-    def _socket(self, endpoint: str) -> zmq.Socket:
-        sock = self._socks.get(endpoint)
-        if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.linger = 0  # close() drops whatever a dead peer never took
-            sock.sndtimeo = 0
-            sock.sndhwm = 16
-            sock.rcvhwm = 16
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            secure_client(sock, self.keys)
-            sock.connect(endpoint)
-            self._socks[endpoint] = sock
-        return sock
-
-    def drop(self, endpoint: str) -> None:
-        sock = self._socks.pop(endpoint, None)
-        if sock is not None:
-            sock.close(linger=0)
-
-    def send(self, endpoint: str, dest: tuple[str, ...], header: dict, buffers: list) -> bool:
-        """Shape, then queue one message; False if it could not be queued or we stopped."""
-        data = pack(header)
-        if not self.shaper.wait(dest, len(data) + frames_nbytes(buffers), self.stop):
-            return False
-        try:
-            self._socket(endpoint).send_multipart([data, *buffers], copy=False)
-        except zmq.ZMQError:  # EAGAIN: HWM full, the peer is not taking messages
-            self.drop(endpoint)
-            return False
-        self.counters.inc("sent.msgs")
-        self.counters.inc("sent.bytes", len(data) + frames_nbytes(buffers))
-        return True
-
-    def request(
-        self,
-        endpoint: str,
-        dest: tuple[str, ...],
-        header: dict,
-        buffers: list,
-        timeout: float,
-        abort: Callable[[], bool] | None = None,
-    ) -> Incoming | None:
-        """Send and wait for the reply with the same rid; None on timeout, on a bad reply,
-        or as soon as abort() says the wait is pointless (the peer was declared dead)."""
-        deadline = time.monotonic() + timeout
-        if not self.send(endpoint, dest, header, buffers):
-            return None
-        return self._await({endpoint: header["rid"]}, deadline, abort).get(endpoint)
-
-    def request_many(
-        self, items: list[tuple[str, tuple[str, ...], dict, list]], timeout: float
-    ) -> dict[str, Incoming | None]:
-        """Send one request to each endpoint, then collect replies until the deadline."""
-        deadline = time.monotonic() + timeout
-        waiting = {}
-        for endpoint, dest, header, buffers in items:
-            if self.send(endpoint, dest, header, buffers):
-                waiting[endpoint] = header["rid"]
-        replies = self._await(waiting, deadline)
-        return {item[0]: replies.get(item[0]) for item in items}
-
-    def _await(
-        self, waiting: dict[str, int], deadline: float, abort: Callable[[], bool] | None = None
-    ) -> dict[str, Incoming | None]:
-        out: dict[str, Incoming | None] = {}
-        pending = dict(waiting)
-        while pending and not self.stop.is_set() and not (abort and abort()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            poller = zmq.Poller()
-            socks = {self._socket(ep): ep for ep in pending}
-            for sock in socks:
-                poller.register(sock, zmq.POLLIN)
-            for sock, _ in poller.poll(min(left, POLL_MS / 1000) * 1000):
-                ep = socks[sock]
-                try:
-                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    continue
-                reply = self._check(parts, pending[ep])
-                if reply is False:
-                    continue  # a stale reply to an earlier, timed-out request
-                if reply is not None:
-                    reply.dialled = ep
-                out[ep] = reply
-                del pending[ep]
-        for ep in pending:  # no reply in time: forget the socket and what it queued
-            self.drop(ep)
-            out[ep] = None
-        return out
-
-    def _check(self, parts: list, rid: int) -> Incoming | None | bool:
-        nbytes = sum(len(f) for f in parts)
-        self.counters.inc("recv.msgs")
-        self.counters.inc("recv.bytes", nbytes)
-        address = _prop(parts[0], "Peer-Address") if parts else ""
-        try:
-            if not parts:
-                raise Rejected("garbage", "empty reply")
-            if nbytes > self.max_bytes:
-                raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_bytes}")
-            header = parse_header(parts[0].buffer, self.expect)
-            if header["rid"] != rid:
-                return False
-            if header["to"] != self.me:  # not an answer to us (a reflected or forged reply)
-                raise Rejected("misdirected", f"a reply for {header['to']!r}")
-            check_frames(header, parts[1:])
-        except Rejected as err:
-            self.on_reject(err, address)
-            return None
-        return Incoming(header, parts[1:], nbytes, address)
-
-    def close(self) -> None:
-        for ep in list(self._socks):
-            self.drop(ep)
