@@ -313,3 +313,15 @@ def test_a_joiner_with_another_model_is_told_why_at_once(group):
     assert time.monotonic() - t0 < 5, "waited for the join timeout"
     assert "refused this peer" in str(err.value) and "\n" not in str(err.value)
     assert a.counters.get("sent.mismatch") >= 1
+
+
+def test_bytes_on_the_wire_per_step_are_reported(group):
+    a = group("a", seed=1)
+    b = group("b", seed=2, join=a.endpoint)
+    wait_until(lambda: a.counters.get("exchange.ok") + a.counters.get("served.ok") >= 4)
+    assert a.status()["wire"]["sent_per_step"] is None  # no step trained yet
+    a.after_step(10)
+    wire = a.status()["wire"]
+    assert wire["steps"] == 10 and wire["sent_per_step"] > 0 and wire["received_per_step"] > 0
+    assert wire["model_fp32_bytes"] == 4 * a.params.total_numel()
+    assert a.record()["sent_bytes"] > 0 and b.status()["wire"]["steps"] == 0

@@ -405,6 +405,7 @@ class GossipPeer:
             "selection": self.cfg.selection,
             "codec": self.cfg.codec,
             "time": time.time(),
+            "wire": self.wire(),
             "counters": self.counters.snapshot(),
             "peers": self.table.rows(),
         }
@@ -436,9 +437,23 @@ class GossipPeer:
             f"{int(c.get('exchange.failed', 0))} failed; {rejected} message(s) rejected"
         )
 
+    def wire(self) -> dict[str, Any]:
+        """Bytes on the wire per optimizer step trained here (everything this peer sent
+        and received: exchanges both ways, state, heartbeats), against the fp32 model's
+        size: what one plain fp32 average of the whole model would move."""
+        steps = max(0, self.step - self.base_step)
+        sent, received = self.counters.get("sent.bytes"), self.counters.get("recv.bytes")
+        return {
+            "steps": steps,
+            "sent_per_step": sent / steps if steps else None,
+            "received_per_step": received / steps if steps else None,
+            "model_fp32_bytes": 4 * self.params.total_numel(),
+        }
+
     def record(self) -> dict[str, Any]:
         """A few numbers for metrics.jsonl."""
         return {
+            "sent_bytes": int(self.counters.get("sent.bytes")),
             "peers": len(self.table.alive()),
             "exchanges": int(self.counters.get("exchange.ok") + self.counters.get("served.ok")),
             "rejected": int(

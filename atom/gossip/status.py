@@ -48,11 +48,28 @@ def _fmt_bw(bps: float | None) -> str:
     return f"{mbit / 1000:.2f} Gb/s" if mbit >= 1000 else f"{mbit:.1f} Mb/s"
 
 
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The table `atom peers` prints."""
     age = time.time() - status.get("time", time.time())
     c = status.get("counters", {})
     rejected = sum(v for k, v in c.items() if k.startswith("rejected."))
+    wire = status.get("wire") or {}
+    per_step = "-"
+    if wire.get("sent_per_step") is not None:
+        model = wire["model_fp32_bytes"]
+        per_step = (
+            f"{_fmt_bytes(wire['sent_per_step'])} sent, "
+            f"{_fmt_bytes(wire['received_per_step'])} received per step over "
+            f"{wire['steps']} steps ({wire['sent_per_step'] / model:.2f}x the fp32 model, "
+            f"{_fmt_bytes(model)})"
+        )
     lines = [
         f"peer {status['id']} at {status['endpoint']} (group {status['group']}), "
         f"step {status['step']}, {status['strategy']}/{status['selection']}/{status['codec']}; "
@@ -60,6 +77,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"exchanges {int(c.get('exchange.ok', 0))} ok, {int(c.get('exchange.failed', 0))} "
         f"failed, {int(c.get('served.ok', 0))} served; rejected {int(rejected)}; "
         f"auth denied {int(c.get('auth.denied', 0) + c.get('auth.handshake_failed', 0))}",
+        f"wire: {per_step}",
         "",
         f"{'peer':<20} {'status':<8} {'step':>8} {'link':>12} {'rtt':>9} {'last exch':>10} "
         f"{'exch':>6} {'fail':>5}",
