@@ -27,6 +27,7 @@ class Interrupts:
         self.presses_while_saving = 0
         self.save_abandoned = False
         self._saving = False
+        self._what = "writing a checkpoint"
         self._step_started = time.monotonic()
         self._installed = (
             threading.current_thread() is threading.main_thread()
@@ -45,8 +46,8 @@ class Interrupts:
             if left <= 0:
                 self.save_abandoned = True
                 raise KeyboardInterrupt
-            os.write(2, f"atom: writing a checkpoint; Ctrl+C {left} more time(s) abandons "
-                        "it (the previous one stays)\n".encode())  # fmt: skip
+            os.write(2, f"atom: {self._what}; Ctrl+C {left} more time(s) abandons it (the "
+                        "previous checkpoint stays)\n".encode())  # fmt: skip
             return
         if self.pending:
             raise KeyboardInterrupt
@@ -62,8 +63,10 @@ class Interrupts:
         return self.pending and time.monotonic() - self._step_started > self.LONG_STEP_S
 
     @contextmanager
-    def saving(self):
-        self._saving, self.presses_while_saving = True, 0
+    def saving(self, what: str = "writing a checkpoint"):
+        """Ctrl+C is held off while `what` runs (a save, or a rollback's reload: either,
+        cut short, would leave a run directory or the weights half done)."""
+        self._saving, self.presses_while_saving, self._what = True, 0, what
         try:
             yield
         finally:

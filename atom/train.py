@@ -391,7 +391,7 @@ class Trainer:
             try:
                 losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
             except TrainingError as err:
-                step, losses = self._roll_back(err, summary), LossWatch()
+                step, losses = self._roll_back(err, summary, interrupts), LossWatch()
                 t_prev = time.perf_counter()
                 continue
             record = self._record(step + 1, result, lr, rates[-1], dt)
@@ -411,10 +411,10 @@ class Trainer:
                     with interrupts.saving():
                         summary.checkpoint, self._saved_step = self.save(done), done
                 except TrainingError as err:  # weights gone bad: not saved
-                    step, losses = self._roll_back(err, summary), LossWatch()
+                    step, losses = self._roll_back(err, summary, interrupts), LossWatch()
                 t_prev = time.perf_counter()
 
-    def _roll_back(self, err: TrainingError, summary: RunSummary) -> int:
+    def _roll_back(self, err: TrainingError, summary: RunSummary, interrupts: Interrupts) -> int:
         """The loss stopped being finite, or a save found bad weights: reload the newest
         checkpoint, stop mixing with every peer merged since it was written, and go on
         from its step. After MAX_ROLLBACKS, or with no checkpoint, the run stops (err)."""
@@ -430,7 +430,10 @@ class Trainer:
         peers = f"; not mixing with {', '.join(dropped)} for now" if dropped else ""
         log.warning("%s; rolling back to %s (%d of %d)%s", str(err).partition("; ")[0],
                     newest, self._rollbacks, MAX_ROLLBACKS, peers)  # fmt: skip
-        self._restore(load_checkpoint(newest))
+        # not cut short by Ctrl+C: half-restored weights would be saved by the interrupt
+        # handler; the third Ctrl+C abandons it and nothing is saved
+        with interrupts.saving("rolling back to the newest checkpoint"):
+            self._restore(load_checkpoint(newest))
         step = self.start_step
         self.run_log.rewind(step)
         summary.history = [r for r in summary.history if r["step"] <= step]

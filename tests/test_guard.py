@@ -141,3 +141,19 @@ def test_poisoning_that_persists_stops_after_two_rollbacks(tmp_path, text_datase
         trainer.run()
     assert "\n" not in str(err.value) and "step_00000002" in str(err.value)
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_00000002"]
+
+
+def test_a_rollbacks_reload_is_not_cut_short_by_ctrl_c(capfd):
+    """Ctrl+C during the reload is held off like during a save (half-restored weights
+    would be saved by the interrupt handler); the message says what is under way."""
+    import os
+    import signal
+
+    from atom.signals import Interrupts
+
+    with Interrupts() as interrupts:
+        with interrupts.saving("rolling back to the newest checkpoint"):
+            os.kill(os.getpid(), signal.SIGINT)  # delivered before the next bytecode
+            held = interrupts.pending and not interrupts.save_abandoned
+        assert held
+    assert "rolling back to the newest checkpoint; Ctrl+C 2 more" in capfd.readouterr().err
