@@ -172,6 +172,8 @@ class Trainer:
             from atom.gossip.peer import attach_gossip
 
             self.gossip = attach_gossip(cfg, self.engine.shared_units(), self.out, self.start_step)
+            if ckpt is not None and not self.gossip.joined_from:  # its own state, not pulled
+                self._restore_gossip(ckpt)
             self.start_step = self.gossip.step
             if self.start_step >= cfg.train.max_steps:  # a group at (or claiming) step 2^62
                 self._stop_gossip()
@@ -229,6 +231,13 @@ class Trainer:
         self._saved_at = time.monotonic()  # what a rollback returns to is this state
         log.info("resumed from %s at step %d", ckpt.path, self.start_step)
 
+    def _restore_gossip(self, ckpt) -> None:
+        if self.gossip.load_state(ckpt.get, set(ckpt.names()), ckpt.meta):
+            log.info("resumed gossip's %s state from %s", self.gossip.merge.name, ckpt.path)
+        elif self.gossip.merge.name != "gossip":
+            log.info("%s holds no %s state: it starts from the resumed weights", ckpt.path,
+                     self.gossip.merge.name)  # fmt: skip
+
     def _newest_checkpoint(self) -> Path | None:
         found = list_checkpoints(self.out) if self.out.exists() else []
         return found[-1] if found else None
@@ -263,12 +272,12 @@ class Trainer:
             "rng": _rng_state(),
             **self.engine.run_state(),  # loss_scale, clip
         }
+        files = self.engine.state_files()
+        if self.gossip is not None:  # its own state (DiLoCo's outer optimizer) resumes too
+            files = [*files, *self.gossip.state_files()]
+            meta.update(self.gossip.run_state())
         path = save_checkpoint(
-            self.out,
-            step,
-            self.engine.state_files(),
-            meta,
-            keep=max(1, self.cfg.train.keep_checkpoints),
+            self.out, step, files, meta, keep=max(1, self.cfg.train.keep_checkpoints)
         )
         self._saved_at = time.monotonic()  # a rollback distrusts peers merged after this
         return path
@@ -433,7 +442,10 @@ class Trainer:
         # not cut short by Ctrl+C: half-restored weights would be saved by the interrupt
         # handler; the third Ctrl+C abandons it and nothing is saved
         with interrupts.saving("rolling back to the newest checkpoint"):
-            self._restore(load_checkpoint(newest))
+            ckpt = load_checkpoint(newest)
+            self._restore(ckpt)
+            if self.gossip is not None:  # the outer optimizer's state of that moment too
+                self._restore_gossip(ckpt)
         step = self.start_step
         self.run_log.rewind(step)
         summary.history = [r for r in summary.history if r["step"] <= step]

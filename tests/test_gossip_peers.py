@@ -325,3 +325,33 @@ def test_bytes_on_the_wire_per_step_are_reported(group):
     assert wire["steps"] == 10 and wire["sent_per_step"] > 0 and wire["received_per_step"] > 0
     assert wire["model_fp32_bytes"] == 4 * a.params.total_numel()
     assert a.record()["sent_bytes"] > 0 and b.status()["wire"]["steps"] == 0
+
+
+def test_diloco_outer_state_is_checkpointed_and_resumed_exactly(tmp_path, text_dataset):
+    """The outer weights, momentum and each unit's last outer step are in the checkpoint
+    (optimizer state: names start with "optim.") and a resumed run continues from them;
+    before, a resume restarted them from the resumed weights."""
+    from atom.checkpoint import load_checkpoint
+    from atom.train import Trainer
+
+    gossip = {"listen": "tcp://127.0.0.1:0", "strategy": "diloco", "diloco_steps": 3, **FAST}
+    cfg = tiny_config(train={"max_steps": 4, "ckpt_interval": 4, "data": str(text_dataset)})
+    cfg = replace(cfg, gossip=gossip)
+    first = Trainer(cfg, tmp_path / "run", progress=False)
+    first.gossip.merge.momentum[1].fill_(0.25)  # as if outer steps had been taken
+    first.gossip.merge.last_outer_step[1] = 2
+    outer = {u: t.clone() for u, t in first.gossip.merge.outer.items()}
+    first.run()
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt.meta["gossip"]["strategy"] == "diloco"
+    assert torch.equal(ckpt.get("optim.outer.1.momentum"), torch.full_like(outer[1], 0.25))
+    again = Trainer(replace(cfg, train={"max_steps": 6}), tmp_path / "run", progress=False,
+                    resume=tmp_path / "run")  # fmt: skip
+    try:
+        merge = again.gossip.merge
+        assert all(torch.equal(merge.outer[u], outer[u]) for u in outer)  # not the weights
+        assert float(merge.momentum[1].max()) == 0.25 and merge.last_outer_step[1] == 2
+        assert not torch.equal(merge.outer[1], again.gossip.params.snapshot(1))
+    finally:
+        again._stop_gossip()
+        again.engine.close()

@@ -72,6 +72,12 @@ class GossipMerge:
     def reset(self) -> None:
         pass
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return {}, {}  # plain averaging keeps no state of its own
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> bool:
+        return False
+
     def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float) -> None:
         """diff = remote - snap (consumed: scaled in place)."""
         self.params.add(unit, diff.mul_(beta))
@@ -102,6 +108,40 @@ class DiLoCoMerge:
 
     def due(self, unit: int) -> bool:
         return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """For a checkpoint: the outer weights and momentum per unit (copies: merges may
+        run meanwhile), and each unit's last outer step. Names start with "optim.": it is
+        optimizer state, not the model's."""
+        tensors = {}
+        for u in self.params.units:
+            tensors[f"optim.outer.{u}.weights"] = self.outer[u].clone()
+            tensors[f"optim.outer.{u}.momentum"] = self.momentum[u].clone()
+        return tensors, {"last_outer_step": {str(u): s for u, s in self.last_outer_step.items()}}
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> bool:
+        """What state() saved, if it is all there and fits; False (state unchanged)
+        otherwise, e.g. a checkpoint of a run that averaged plainly."""
+        steps = meta.get("last_outer_step") if isinstance(meta, dict) else None
+        if not isinstance(steps, dict):
+            return False
+        loaded = {}
+        for u in self.params.units:
+            w = tensors.get(f"optim.outer.{u}.weights")
+            m = tensors.get(f"optim.outer.{u}.momentum")
+            n = self.params.numel(u)
+            if w is None or m is None or w.numel() != n or m.numel() != n:
+                return False
+            if not isinstance(steps.get(str(u)), int):
+                return False
+            loaded[u] = (
+                w.reshape(-1).float().clone(),
+                m.reshape(-1).float().clone(),
+                steps[str(u)],
+            )
+        for u, (w, m, s) in loaded.items():
+            self.outer[u], self.momentum[u], self.last_outer_step[u] = w, m, s
+        return True
 
     def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float) -> None:
         # called with the unit claimed by exactly one exchange, so its state is ours

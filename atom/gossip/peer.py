@@ -344,6 +344,25 @@ class GossipPeer:
         ready = [p for p in self.table.alive() if p.ready]
         return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
 
+    def state_files(self) -> list[tuple[str, dict[str, Any]]]:
+        """Checkpoint files of gossip's own state (DiLoCo's outer weights and momentum);
+        none for plain averaging."""
+        tensors, _ = self.merge.state()
+        return [("gossip_outer", tensors)] if tensors else []
+
+    def run_state(self) -> dict[str, Any]:
+        _, meta = self.merge.state() if self.merge.name != "gossip" else ({}, {})
+        return {"gossip": {"strategy": self.merge.name, **meta}}
+
+    def load_state(self, get, names: set[str], meta: dict[str, Any]) -> bool:
+        """Resume the merge's state from a checkpoint (this peer's own run, not a pull from
+        the group, which resets it from the pulled weights); False if it holds none."""
+        saved = meta.get("gossip") if isinstance(meta, dict) else None
+        if not isinstance(saved, dict) or saved.get("strategy") != self.merge.name:
+            return False
+        wanted = [n for n in names if n.startswith("optim.outer.")]
+        return self.merge.load({n: get(n) for n in wanted}, saved)
+
     def distrust_since(self, since: float) -> list[str]:
         """The run rolled back to a checkpoint written at `since` (monotonic): every peer
         merged with after it is penalised (neither chosen nor served for
