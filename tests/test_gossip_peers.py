@@ -355,3 +355,23 @@ def test_diloco_outer_state_is_checkpointed_and_resumed_exactly(tmp_path, text_d
     finally:
         again._stop_gossip()
         again.engine.close()
+
+
+def test_a_diloco_joiner_takes_the_groups_outer_state(group):
+    """A joiner pulls each unit's outer weights, momentum and last outer step along with
+    its weights (sreq part outer / momentum); from a plainly averaging member it starts
+    its outer optimizer from the pulled weights, as before."""
+    d = {"strategy": "diloco", "diloco_steps": 1000, "interval_s": 60.0}
+    a = group("a", seed=1, **d)
+    a.merge.momentum[1].fill_(0.5)
+    a.merge.outer[1] += 0.125
+    a.merge.last_outer_step[1] = 7
+    b = group("b", seed=2, join=a.endpoint, pull_state=True, **d)
+    assert torch.equal(b.merge.outer[1], a.merge.outer[1])
+    assert torch.equal(b.merge.momentum[1], a.merge.momentum[1])
+    assert b.merge.last_outer_step[1] == 7
+    assert torch.equal(b.merge.outer[0], a.params.snapshot(0))  # untouched units: as pulled
+    plain = group("p", seed=3, interval_s=60.0)
+    c = group("c", seed=4, join=plain.endpoint, pull_state=True, **d)
+    assert torch.equal(c.merge.outer[1], plain.params.snapshot(1))
+    assert float(c.merge.momentum[1].abs().max()) == 0.0

@@ -67,6 +67,8 @@ class Averager:
         guard: DiffGuard | None = None,
     ):
         self.params, self.table, self.selector, self.merge = params, table, selector, merge
+        # unit -> (outer weights, momentum, last outer step) pulled while joining (DiLoCo)
+        self.pulled_outer: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.codec, self.make_client, self.counters = codec, make_client, counters
         self.header, self.weight = header, weight
         self.interval_s, self.timeout_s, self.lanes = interval_s, timeout_s, lanes
@@ -296,8 +298,16 @@ class Averager:
         unit = h["unit"]
         if unit not in self.params.units:
             raise Rejected("schema", f"unit {unit} owns no parameters")
-        metas, buffers = get_codec("fp32").encode(self.params.snapshot(unit))
-        base.update(unit=unit, codec="fp32", weight=self.weight(), tensors=metas)
+        part = h.get("part", "weights")
+        if part == "weights":
+            values = self.params.snapshot(unit)
+        elif isinstance(self.merge, DiLoCoMerge):  # a joiner takes the outer optimizer too
+            values = (self.merge.outer if part == "outer" else self.merge.momentum)[unit].clone()
+            base["outer_step"] = self.merge.last_outer_step.get(unit, 0)
+        else:
+            return _refuse(base, "nack", f"no {part}: this peer averages plainly")
+        metas, buffers = get_codec("fp32").encode(values)
+        base.update(unit=unit, codec="fp32", weight=self.weight(), tensors=metas, part=part)
         self.counters.inc("served.state")
         return base, buffers
 
@@ -335,24 +345,38 @@ class Averager:
                 break
         return step or 0, samples or 0, source
 
-    def _pull_unit(self, p: PeerState, unit: int) -> tuple[int, int] | None:
+    def _pull_part(self, p: PeerState, unit: int, part: str):
+        """One part of a unit's state from p: (values, reply header) or None."""
         h = self.header("sreq", self.client.next_rid(), p.id)
-        h["unit"] = unit
+        h.update(unit=unit, part=part)
         n = self.params.numel(unit)
         reply = self.client.request(p.endpoint, (p.id, p.endpoint), h, [], self._timeout(p, 4 * n))
         if reply is None or reply.header["kind"] != "srep":
-            self.log.info("%s could not serve unit %d; trying another member", p.id, unit)
             return None
         rh = reply.header
         try:
-            if rh["unit"] != unit or rh["codec"] != "fp32":
-                raise Rejected("schema", "state reply for another unit or codec")
-            values = decode_checked(get_codec("fp32"), rh["tensors"], reply.frames, n)
+            if rh["unit"] != unit or rh["codec"] != "fp32" or rh.get("part", "weights") != part:
+                raise Rejected("schema", "state reply for another unit, codec or part")
+            return decode_checked(get_codec("fp32"), rh["tensors"], reply.frames, n), rh
         except Rejected as err:
             err.sender = p.id
             self.on_reject(err, reply.address)
             return None
+
+    def _pull_unit(self, p: PeerState, unit: int) -> tuple[int, int] | None:
+        got = self._pull_part(p, unit, "weights")
+        if got is None:
+            self.log.info("%s could not serve unit %d; trying another member", p.id, unit)
+            return None
+        values, rh = got
         self.params.load(unit, values)
+        if isinstance(self.merge, DiLoCoMerge):  # its outer optimizer too, when it has one
+            outer, momentum = (
+                self._pull_part(p, unit, "outer"),
+                self._pull_part(p, unit, "momentum"),
+            )
+            if outer is not None and momentum is not None:
+                self.pulled_outer[unit] = (outer[0], momentum[0], outer[1].get("outer_step", 0))
         return rh["step"], rh["samples"]
 
     # ------------------------------------------------------------ thread

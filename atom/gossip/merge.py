@@ -109,6 +109,10 @@ class DiLoCoMerge:
     def due(self, unit: int) -> bool:
         return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
 
+    def adopt(self, unit: int, outer: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
+        """A joiner takes a member's outer state for a unit (after reset())."""
+        self.outer[unit], self.momentum[unit], self.last_outer_step[unit] = outer, momentum, step
+
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """For a checkpoint: the outer weights and momentum per unit (copies: merges may
         run meanwhile), and each unit's last outer step. Names start with "optim.": it is

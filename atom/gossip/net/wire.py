@@ -18,7 +18,9 @@ Header fields (all messages):
     to       the id the message is for ("" only for a first ping to a seed): a message
              captured on its way to one peer is refused by every other
     step     sender's optimizer step;  samples  sequences it has trained on;  ready  joined
-Per kind: unit, codec, weight, delta, served, tensors, peers, links, load, reason.
+Per kind: unit, codec, weight, delta, served, tensors, peers, links, load, reason; a state
+pull may ask for a `part` (weights, or DiLoCo's outer weights or momentum, with the
+unit's `outer_step`).
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ KINDS = {
     "xreq": {"unit", "codec", "weight", "tensors", "delta"},
     "xrep": {"unit", "codec", "weight", "tensors", "delta", "served"},
     "busy": {"unit", "reason"},
-    "sreq": {"unit"},
-    "srep": {"unit", "codec", "weight", "tensors"},
+    "sreq": {"unit", "part"},
+    "srep": {"unit", "codec", "weight", "tensors", "part", "outer_step"},
     "nack": {"reason"},
 }
 COMMON = {"v", "kind", "group", "fp", "from", "to", "inc", "ep", "rid", "step", "samples", "ready"}
-OPTIONAL = {"delta", "served", "load", "reason"}  # every other field of a kind is required
+# every other field of a kind is required
+OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step"}
+PARTS = ("weights", "outer", "momentum")  # what a state pull asks for (DiLoCo: all three)
 
 
 class Rejected(Exception):
@@ -202,6 +206,8 @@ _CHECKS = {
     "weight": lambda v: _float(v, "weight", 1e-12, 1e18),
     "delta": lambda v: _bool(v, "delta"),
     "served": lambda v: _float(v, "served", 0.0, 1e6),
+    "part": lambda v: v if v in PARTS else _fail("schema", f"part must be one of {PARTS}"),
+    "outer_step": lambda v: _int(v, "outer_step"),
     "load": lambda v: _float(v, "load", 0.0, 1e6),
     "reason": lambda v: _str(v, "reason", 200),
     "tensors": _tensors,
