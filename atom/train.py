@@ -158,6 +158,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.engine = build_engine(cfg, resident)
         self.start_step = 0
+        self._saved_at = time.monotonic()  # the state a rollback returns to (_restore too)
         if ckpt is not None:
             self._restore(ckpt)
         elif cfg.model.init_from:
@@ -166,7 +167,6 @@ class Trainer:
             load_weights(self.engine, cfg, tokenizer=self.data.meta.tokenizer)
         self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
         self._rollbacks = 0
-        self._saved_at = getattr(self, "_saved_at", time.monotonic())
         self.gossip = None
         if cfg.gossip.enabled:  # peers: listen, join, copy the group's weights and step
             from atom.gossip.peer import attach_gossip
@@ -245,16 +245,16 @@ class Trainer:
     def save(self, step: int) -> Path:
         """Write a checkpoint; a save that ran out of open files (a flood of gossip
         connections, which the gossip server sheds within seconds) is tried again."""
-        for attempt in range(1, SAVE_ATTEMPTS + 1):
+        for attempt in range(1, SAVE_ATTEMPTS):
             try:
                 return self._save(step)
             except (OSError, CheckpointError) as err:
-                if getattr(err, "errno", None) not in OUT_OF_FILES or attempt == SAVE_ATTEMPTS:
+                if getattr(err, "errno", None) not in OUT_OF_FILES:
                     raise
                 log.warning("step %d: out of open files while saving; trying again in %.0fs "
                             "(%d of %d)", step, SAVE_RETRY_S, attempt, SAVE_ATTEMPTS)  # fmt: skip
                 time.sleep(SAVE_RETRY_S)
-        raise AssertionError("unreachable")
+        return self._save(step)  # the last attempt: its failure is the run's
 
     def _save(self, step: int) -> Path:
         # never over a good checkpoint with diverged or poisoned weights
@@ -274,8 +274,9 @@ class Trainer:
         }
         files = self.engine.state_files()
         if self.gossip is not None:  # its own state (DiLoCo's outer optimizer) resumes too
-            files = [*files, *self.gossip.state_files()]
-            meta.update(self.gossip.run_state())
+            gossip_files, gossip_meta = self.gossip.checkpoint()
+            files = [*files, *gossip_files]
+            meta.update(gossip_meta)
         path = save_checkpoint(
             self.out, step, files, meta, keep=max(1, self.cfg.train.keep_checkpoints)
         )

@@ -347,19 +347,18 @@ class GossipPeer:
         ready = [p for p in self.table.alive() if p.ready]
         return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
 
-    def state_files(self) -> list[tuple[str, dict[str, Any]]]:
-        """Checkpoint files of gossip's own state (DiLoCo's outer weights and momentum);
-        none for plain averaging."""
-        tensors, _ = self.merge.state()
-        return [("gossip_outer", tensors)] if tensors else []
-
-    def run_state(self) -> dict[str, Any]:
-        _, meta = self.merge.state() if self.merge.name != "gossip" else ({}, {})
-        return {"gossip": {"strategy": self.merge.name, **meta}}
+    def checkpoint(self) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any]]:
+        """Gossip's own state for a checkpoint, read once: its files (DiLoCo's outer
+        weights and momentum; none for plain averaging) and its meta."""
+        tensors, meta = self.merge.state()
+        files = [("gossip_outer", tensors)] if tensors else []
+        return files, {"gossip": {"strategy": self.merge.name, **meta}}
 
     def load_state(self, get, names: set[str], meta: dict[str, Any]) -> bool:
         """Resume the merge's state from a checkpoint (this peer's own run, not a pull from
-        the group, which resets it from the pulled weights); False if it holds none."""
+        the group), after the weights; False if it holds none: the state then starts from
+        the weights as they are now."""
+        self.merge.reset()
         saved = meta.get("gossip") if isinstance(meta, dict) else None
         if not isinstance(saved, dict) or saved.get("strategy") != self.merge.name:
             return False
@@ -369,14 +368,13 @@ class GossipPeer:
     def distrust_since(self, since: float) -> list[str]:
         """The run rolled back to a checkpoint written at `since` (monotonic): every peer
         merged with after it is penalised (neither chosen nor served for
-        gossip.penalty_s), and the merge's own state (DiLoCo's outer copy and momentum)
-        starts again from the restored weights; the penalised ids."""
+        gossip.penalty_s); the penalised ids. (The merge's own state comes back with the
+        weights: load_state.)"""
         with self.table.lock:
             ids = [p.id for p in self.table.peers.values()
                    if p.last_exchange is not None and p.last_exchange > since]  # fmt: skip
         for pid in ids:
             self.table.penalise(pid)
-        self.merge.reset()
         return sorted(ids)
 
     def after_step(self, step: int) -> None:

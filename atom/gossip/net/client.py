@@ -20,8 +20,8 @@ import zmq
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.keys import GroupKeys, secure_client
 from atom.gossip.net.shaping import LinkShaper
-from atom.gossip.net.transport import POLL_MS, Incoming, frame_property, frames_nbytes
-from atom.gossip.net.wire import Expect, Rejected, check_frames, pack, parse_header
+from atom.gossip.net.transport import POLL_MS, Incoming, frames_nbytes, read_header, received
+from atom.gossip.net.wire import Expect, Rejected, check_frames, pack
 
 
 class Client:
@@ -145,16 +145,9 @@ class Client:
         return out
 
     def _check(self, parts: list, rid: int) -> Incoming | None | bool:
-        nbytes = sum(len(f) for f in parts)
-        self.counters.inc("recv.msgs")
-        self.counters.inc("recv.bytes", nbytes)
-        address = frame_property(parts[0], "Peer-Address") if parts else ""
+        nbytes, address = received(parts, self.counters)
         try:
-            if not parts:
-                raise Rejected("garbage", "empty reply")
-            if nbytes > self.max_bytes:
-                raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_bytes}")
-            header = parse_header(parts[0].buffer, self.expect)
+            header = read_header(parts, nbytes, self.max_bytes, self.expect)
             if header["rid"] != rid:
                 return False
             if header["to"] != self.me:  # not an answer to us (a reflected or forged reply)

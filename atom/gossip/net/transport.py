@@ -74,6 +74,24 @@ def frame_property(frame: Any, name: str) -> str:
         return ""
 
 
+def received(parts: list, counters: Counters) -> tuple[int, str]:
+    """Count a message as it comes in (server and client alike): its size in bytes and
+    the remote address (zmq's Peer-Address)."""
+    nbytes = sum(len(f) for f in parts)
+    counters.inc("recv.msgs")
+    counters.inc("recv.bytes", nbytes)
+    return nbytes, frame_property(parts[0], "Peer-Address") if parts else ""
+
+
+def read_header(parts: list, nbytes: int, max_bytes: int, expect: Expect) -> dict[str, Any]:
+    """Not empty, not over max_bytes, then the validated header; raises Rejected."""
+    if not parts:
+        raise Rejected("garbage", "empty message")
+    if nbytes > max_bytes:
+        raise Rejected("oversized", f"{nbytes} bytes > limit {max_bytes}")
+    return parse_header(parts[0].buffer, expect)
+
+
 def frames_nbytes(buffers: list[Any]) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
 
@@ -295,16 +313,9 @@ class Server:
 
     def _handle(self, router: zmq.Socket, msg: list) -> None:
         ident, parts = msg[0], msg[1:]
-        address = frame_property(parts[0], "Peer-Address") if parts else ""
-        nbytes = sum(len(f) for f in parts)
-        self.counters.inc("recv.msgs")
-        self.counters.inc("recv.bytes", nbytes)
+        nbytes, address = received(parts, self.counters)
         try:
-            if not parts:
-                raise Rejected("garbage", "empty message")
-            if nbytes > self.max_bytes:
-                raise Rejected("oversized", f"{nbytes} bytes > limit {self.max_bytes}")
-            header = parse_header(parts[0].buffer, self.expect)
+            header = read_header(parts, nbytes, self.max_bytes, self.expect)
             check_frames(header, parts[1:])
             self._check_sender(header, parts[0])
         except Rejected as err:
