@@ -100,11 +100,17 @@ class DiLoCoMerge:
         self.reset()
 
     def reset(self) -> None:
-        """The current weights become the outer weights (at start, and after a join pull)."""
-        for u in self.params.units:
+        """The current weights become the outer weights (at start, and after a join pull).
+
+        The units' schedules are staggered (Streaming DiLoCo's fragments): unit k of n
+        takes its first outer step H (n - k) / n steps from now, so outer steps, and the
+        bytes they move, are spread evenly over every H steps instead of arriving all at
+        once."""
+        units = self.params.units
+        for k, u in enumerate(units):
             self.outer[u] = self.params.snapshot(u)
             self.momentum[u] = torch.zeros_like(self.outer[u])
-            self.last_outer_step[u] = self.step
+            self.last_outer_step[u] = self.step - self.inner_steps * k // len(units)
 
     def due(self, unit: int) -> bool:
         return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
