@@ -15,7 +15,10 @@ atom      each peer trains a full copy at `peer_batch` sequences per step; its s
           once and starts at most one per `interval_s`, and takes part in about as many
           exchanges started by others, so a unit of peer i is averaged every
               tau = step_rate * n_units / (2 * min(1 / interval_s, lanes / mean e))
-          optimizer steps.
+          optimizer steps. With an outer optimizer (gossip.strategy diloco or noloco) a
+          unit is due for an exchange only every H = diloco_steps steps, so a peer starts
+          at most n_units / (H * step_s) exchanges a second (and NoLoCo's payload is twice
+          the unit: outer weights and pseudo-gradient): tau ~ H / 2, far fewer bytes.
 pipeline  GPipe, one stage per peer (peer order = stage order): consecutive blocks, the
           embedding on the first stage, the head on the last, blocks balanced so that the
           slowest stage (the head's, often) is as fast as it can be. `chunks` micro-batches of
@@ -37,7 +40,9 @@ peers average only every tau steps, so a token is worth less: efficiency
     eta(tau) = 1/N + (1 - 1/N) * tau0 / (tau0 + tau)
 (1 with averaging every step, 1/N for N independent runs), and atom takes
 D / (tokens_per_s * eta). tau0 is fitted to the measured runs (docs/benchmarks.md): an
-assumption that a tiny CPU model's mixing transfers to the model being asked about.
+assumption that a tiny CPU model's mixing transfers to the model being asked about. The
+outer optimizers make an outer step worth more than a plain average, so they have their
+own tau0 (OUTER_TAU0), fitted the same way.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from profiler.timing import PieceTimes
 # docs/benchmarks.md. Steps between averagings of a unit at which atom keeps half of the
 # gap between N independent runs and sync SGD.
 DEFAULT_TAU0 = 5.6
+OUTER_TAU0 = {"diloco": DEFAULT_TAU0, "noloco": DEFAULT_TAU0}
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 GPU_ADAM_S_PER_PARAM = 3.5e-11  # fused Adam on the GPU: ~32 B/param at ~900 GB/s
 
@@ -104,7 +110,19 @@ class Workload:
     codec_bytes: Callable[[int], int] = lambda n: 4 * n  # gossip wire bytes of n params
     lanes: int = 2
     interval_s: float = 0.1
-    tau0: float = DEFAULT_TAU0
+    tau0: float | None = None  # None: DEFAULT_TAU0, or OUTER_TAU0 of the strategy
+    strategy: str = "gossip"  # gossip | diloco | noloco (gossip.strategy)
+    inner_steps: int = 100  # H, steps between a unit's outer steps (gossip.diloco_steps)
+
+    @property
+    def convergence_tau0(self) -> float:
+        if self.tau0 is not None:
+            return self.tau0
+        return OUTER_TAU0.get(self.strategy, DEFAULT_TAU0)
+
+    @property
+    def payload_factor(self) -> int:
+        return 2 if self.strategy == "noloco" else 1  # noloco sends [outer; pseudo-grad]
 
     @property
     def sync_batch(self) -> int:
@@ -276,7 +294,7 @@ def simulate_atom(cfg: Config, m: Machine, links: Links, w: Workload,
     a = ModelAnalysis.of(replace(cfg, swap={"layers_per_unit": plan.layers_per_unit}))
     units = [u.n_owned for u in a.units if u.n_owned > 0]
     n = links.peers
-    wire = [w.codec_bytes(u) for u in units]
+    wire = [w.codec_bytes(w.payload_factor * u) for u in units]
     # mean exchange time over units and partners (uniform choice of both)
     e = sum(
         2 * b / links.bps(i, j) + 2 * links.latency_s
@@ -286,9 +304,11 @@ def simulate_atom(cfg: Config, m: Machine, links: Links, w: Workload,
         if i != j
     ) / (len(wire) * n * (n - 1))
     started = min(1.0 / w.interval_s if w.interval_s > 0 else math.inf, w.lanes / e)
+    if w.strategy != "gossip":  # a unit is due only every H steps
+        started = min(started, len(units) / (w.inner_steps * step.step_s))
     involved = 2 * started  # ours, and about as many started by others
     tau = (1.0 / step.step_s) * len(units) / involved
-    eta = efficiency(tau, n, w.tau0)
+    eta = efficiency(tau, n, w.convergence_tau0)
     tokens = w.peer_batch * cfg.model.seq_len
     return SystemPrediction(
         system="atom",
@@ -298,7 +318,7 @@ def simulate_atom(cfg: Config, m: Machine, links: Links, w: Workload,
         comm_s=0.0,
         sent_bytes_per_step=involved * sum(wire) / len(wire) * step.step_s,
         efficiency=eta,
-        note=f"{plan.layers_per_unit} layer(s)/unit, prefetch {plan.prefetch}, "
+        note=f"{w.strategy}, {plan.layers_per_unit} layer(s)/unit, prefetch {plan.prefetch}, "
         f"micro {plan.micro_batch} x {plan.grad_accum}, checkpoint {plan.checkpoint}",
         detail={
             "tau_steps": tau,

@@ -132,6 +132,28 @@ def test_diloco_outer_steps_mix_the_peers(group):
     wait_until(lambda: distance([a, b]) < 1e-6 * start, 10, "diloco outer steps")
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_noloco_outer_steps_mix_the_peers(group, codec):
+    d = {"strategy": "noloco", "diloco_steps": 2, "codec": codec, "clip_factor": 0.0}
+    a = group("a", seed=1, **d)
+    b = group("b", seed=2, join=a.endpoint, **d)
+    start = distance([a, b])
+    for p in (a, b):
+        p.after_step(2)
+    tolerance = 1e-3 if codec == "fp32" else 0.02  # int8: the request's rounding
+    wait_until(lambda: distance([a, b]) < tolerance * start, 10, "noloco outer steps")
+    assert a.counters.get("exchange.ok") + b.counters.get("exchange.ok") > 0
+
+
+def test_a_peer_of_another_strategy_is_refused_not_penalised(group):
+    a = group("a", seed=1, strategy="noloco", diloco_steps=1)
+    b = group("b", seed=2, join=a.endpoint)  # plain averaging
+    wait_until(lambda: b.counters.get("exchange.refused") + a.counters.get("exchange.refused")
+               > 0, 10, "a refused exchange")  # fmt: skip
+    assert not a.table.penalised("b") and not b.table.penalised("a")
+    assert a.counters.get("exchange.ok") == b.counters.get("exchange.ok") == 0
+
+
 def raw_client(ctx, endpoint):
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0

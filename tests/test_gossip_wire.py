@@ -18,7 +18,7 @@ import torch
 from atom.config import ConfigError, load_config
 from atom.config.gossip import is_loopback, parse_rates
 from atom.gossip.membership import PeerState, PeerTable
-from atom.gossip.merge import DiLoCoMerge, GossipMerge
+from atom.gossip.merge import DiLoCoMerge, GossipMerge, NoLoCoMerge
 from atom.gossip.net.codecs import BLOCK, CODECS, decode_checked, get_codec, roundtrip
 from atom.gossip.net.keys import keygen, load_bundle
 from atom.gossip.net.shaping import LinkShaper, TokenBucket
@@ -172,6 +172,45 @@ def test_diloco_outer_step_is_nesterov():
     d.merge(0, p.snapshot(0), torch.zeros(1), 0.5)
     # m = 1; outer = 0 - 0.7 * (1 + 0.9 * 1)
     assert math.isclose(float(p.t[0]), -0.7 * 1.9, rel_tol=1e-6)
+
+
+def _noloco_exchange(a: NoLoCoMerge, b: NoLoCoMerge, beta: float = 0.5) -> None:
+    """Both ends of one exchange of unit 0, payloads as the averager builds them."""
+    sa, sb = a.params.snapshot(0), b.params.snapshot(0)
+    pa, pb = a.payload(0, sa), b.payload(0, sb)
+    n = sa.numel()
+    a.merge(0, sa, a.weights_of(pb, n) - sa, beta, pb)
+    b.merge(0, sb, b.weights_of(pa, n) - sb, beta, pa)
+
+
+def test_noloco_with_unit_lr_no_momentum_and_full_consensus_is_gossip():
+    a, b = FakeParams([torch.zeros(4)]), FakeParams([torch.full((4,), 2.0)])
+    na, nb = (NoLoCoMerge(p, 1, lr=1.0, momentum=0.0, consensus=1.0) for p in (a, b))
+    a.t[0] += torch.tensor([0.5, -1.0, 0.0, 3.0])  # inner progress of each end
+    b.t[0] -= 0.25
+    mean = (a.t[0] + b.t[0]) / 2
+    _noloco_exchange(na, nb)
+    assert torch.allclose(a.t[0], mean) and torch.allclose(b.t[0], mean)
+    assert torch.allclose(na.outer[0], mean) and torch.allclose(nb.outer[0], mean)
+
+
+def test_noloco_momentum_sees_the_pseudo_gradient_not_the_disagreement():
+    a, b = FakeParams([torch.zeros(3)]), FakeParams([torch.ones(3)])
+    na, nb = (NoLoCoMerge(p, 1, lr=0.7, momentum=0.9, consensus=1.0) for p in (a, b))
+    _noloco_exchange(na, nb)  # outer weights apart, nobody trained: d = 0
+    assert float(na.momentum[0].abs().max()) == 0.0
+    assert torch.allclose(a.t[0], torch.full((3,), 0.5)) and torch.allclose(a.t[0], b.t[0])
+    # the same disagreement through DiLoCo's rule lands in the momentum, and overshoots
+    c = FakeParams([torch.zeros(3)])
+    dc = DiLoCoMerge(c, 1, lr=0.7, momentum=0.9)
+    dc.merge(0, c.snapshot(0), torch.ones(3), 0.5)
+    assert float(dc.momentum[0].abs().min()) > 0 and float(c.t[0][0]) > 0.5
+    # a shared pseudo-gradient gets the Nesterov step: both ends trained the same -1
+    a.t[0] -= 1.0
+    b.t[0] -= 1.0
+    _noloco_exchange(na, nb)
+    assert torch.allclose(a.t[0], torch.full((3,), 0.5 - 0.7 * 1.9))
+    assert torch.allclose(na.momentum[0], torch.ones(3))
 
 
 def peer(pid, bw=None, last=None, rtt=1e-3):

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from profiler.analysis import ModelAnalysis
     from profiler.cost import Candidate
     from profiler.planner import Infeasible
-    from profiler.simulate import DEFAULT_TAU0, Workload, simulate
+    from profiler.simulate import Workload, simulate
 
     if args.peers < 2:
         raise ConfigError("--peers must be >= 2")
@@ -215,9 +215,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         from atom.gossip.net.codecs import get_codec
 
         codec = get_codec(args.codec or cfg.gossip.codec)
-        w = Workload(args.peers, batch, chunks, codec.wire_bytes,
-                     getattr(cfg.gossip, "lanes", 2), cfg.gossip.interval_s,
-                     DEFAULT_TAU0 if args.tau0 is None else args.tau0)  # fmt: skip
+        w = Workload(args.peers, batch, chunks, codec.wire_bytes, cfg.gossip.lanes,
+                     cfg.gossip.interval_s, args.tau0, cfg.gossip.strategy,
+                     cfg.gossip.diloco_steps)  # fmt: skip
         plan = None
         if args.plan == "config":
             s = cfg.swap

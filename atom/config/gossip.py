@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-STRATEGIES = ("gossip", "diloco")
+STRATEGIES = ("gossip", "diloco", "noloco")
 SELECTIONS = ("flow", "random")
 CODECS = ("fp32", "bf16", "int8")
 
@@ -70,7 +70,9 @@ class GossipConfig:
     name: str = ""  # peer id; default: the key bundle's name, else host-random
     advertise: str = ""  # endpoint others dial; default: listen (with a wildcard host resolved)
     group: str = "atom"  # name of an open (keyless) group; keyed groups are named by their key
-    strategy: str = "gossip"  # gossip (pairwise averaging) | diloco (outer Nesterov step)
+    # gossip (pairwise averaging) | diloco (outer Nesterov step every diloco_steps) |
+    # noloco (the same, the pair's disagreement kept out of the momentum)
+    strategy: str = "gossip"
     selection: str = "flow"  # flow (mixing per second) | random (uniform baseline)
     codec: str = "fp32"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
     interval_s: float = 0.2  # least time between the starts of two exchanges we initiate
@@ -81,9 +83,11 @@ class GossipConfig:
     join_timeout_s: float = 30.0  # give up joining (exit 2) when no member answers in time
     pull_state: bool = True  # on join, copy parameters and step from a member first
     wait_peers: int = 0  # before the first step, wait (up to join_timeout_s) for this many others
-    diloco_steps: int = 100  # diloco: inner steps between outer steps of a unit (H)
-    outer_lr: float = 0.7  # diloco outer Nesterov SGD
-    outer_momentum: float = 0.9
+    diloco_steps: int = 100  # diloco, noloco: inner steps between outer steps of a unit (H)
+    # outer Nesterov SGD; unset: diloco 0.7 / 0.9, noloco 1.0 / 0.5 (atom/gossip/merge.py)
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    outer_consensus: float = 1.0  # noloco: pull towards the pair's mean outer weights
     link_mbps: float = 0.0  # emulate: cap every outgoing link at this rate (0: off)
     link_mbps_to: str = ""  # emulate per link: 'NAME=MBPS,tcp://H:P=MBPS,A+B=MBPS' (A, B share)
     max_message_mb: float = 0.0  # reject larger messages; 0: 1.25x the largest unit + 1 MiB
@@ -115,7 +119,8 @@ class GossipConfig:
         if self.join and self.listen is None:
             raise ValueError("gossip.join needs gossip.listen (--listen tcp://HOST:PORT) too")
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"gossip.strategy must be gossip|diloco, got {self.strategy!r}")
+            raise ValueError(f"gossip.strategy must be gossip|diloco|noloco, got "
+                             f"{self.strategy!r}")  # fmt: skip
         if self.selection not in SELECTIONS:
             raise ValueError(f"gossip.selection must be flow|random, got {self.selection!r}")
         if self.codec not in CODECS:
@@ -140,8 +145,13 @@ class GossipConfig:
             raise ValueError(f"gossip.lanes must be in [0, 16], got {self.lanes}")
         if self.diloco_steps < 1 or self.probe_kb < 1:
             raise ValueError("gossip.diloco_steps and gossip.probe_kb must be >= 1")
-        if not (0 < self.outer_lr <= 2 and 0 <= self.outer_momentum < 1):
-            raise ValueError("need 0 < gossip.outer_lr <= 2 and 0 <= gossip.outer_momentum < 1")
+        if not (
+            (self.outer_lr is None or 0 < self.outer_lr <= 2)
+            and (self.outer_momentum is None or 0 <= self.outer_momentum < 1)
+            and 0 <= self.outer_consensus <= 1
+        ):
+            raise ValueError("need 0 < gossip.outer_lr <= 2, 0 <= gossip.outer_momentum < 1 "
+                             "and 0 <= gossip.outer_consensus <= 1")  # fmt: skip
         if not 0 <= self.explore <= 1:
             raise ValueError(f"gossip.explore must be in [0, 1], got {self.explore}")
         if len(self.name) > 64 or not re.fullmatch(r"[A-Za-z0-9_.-]*", self.name):

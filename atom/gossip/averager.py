@@ -179,13 +179,17 @@ class Averager:
         codec = self.codec
         n = self.params.numel(unit)
         snap = self.params.snapshot(unit)
-        metas, buffers = codec.encode(snap)  # may share snap's memory: snap is never written
+        mine = self.merge.payload(unit, snap)  # the weights, or noloco's [outer; pseudo-grad]
+        metas, buffers = codec.encode(mine)  # may share mine's memory: it is never written
         # what the partner will decode: an int8 reply is a delta against exactly that
-        sent = roundtrip(codec, snap) if codec.name == "int8" else snap
+        sent = roundtrip(codec, mine) if codec.name == "int8" else mine
         h = self.header("xreq", self.client.next_rid(), partner.id)
         h.update(unit=unit, codec=codec.name, weight=self.weight(), tensors=metas, delta=False)
+        if self.merge.payload_kind != "weights":
+            h["payload"] = self.merge.payload_kind
         work = time.monotonic() - t0
-        nbytes = codec.wire_bytes(n)
+        n_pay = self.merge.payload_numel(n)
+        nbytes = codec.wire_bytes(n_pay)
         reply = self.client.request(
             partner.endpoint,
             (partner.id, partner.endpoint),
@@ -209,27 +213,22 @@ class Averager:
         try:
             if rh["kind"] != "xrep" or rh["unit"] != unit or rh["codec"] != codec.name:
                 raise Rejected("schema", f"answered {rh['kind']} unit {rh.get('unit')} to xreq")
-            remote = decode_checked(codec, rh["tensors"], reply.frames, n)
+            if rh.get("payload", "weights") != self.merge.payload_kind:
+                raise Rejected("schema", f"answered a {rh.get('payload', 'weights')} payload")
+            remote = decode_checked(codec, rh["tensors"], reply.frames, n_pay)
             if rh.get("delta"):
                 remote = sent + remote
                 if not bool(torch.isfinite(remote).all()):
                     raise Rejected("nonfinite", "delta overflows")
+            diff, remote, disagreement = self._judge(unit, snap, mine, remote, partner.id)
         except Rejected as err:
             err.sender = partner.id
             self.on_reject(err, reply.address)
             self.counters.inc("exchange.failed")
             return False
         w_me, w_them = self.weight(), rh["weight"]
-        diff = remote.sub_(snap)
-        disagreement = relative_disagreement(snap, diff)
-        try:
-            self.guard.admit(unit, snap, diff, partner.id)  # clipped in place, or refused
-        except Rejected as err:
-            err.sender = partner.id
-            self.on_reject(err, reply.address)
-            self.counters.inc("exchange.failed")
-            return False
-        self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * self.guard.trust(partner.id))
+        beta = safe_beta(w_me, w_them) * self.guard.trust(partner.id)
+        self.merge.merge(unit, snap, diff, beta, remote)
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
         self.table.exchanged(
@@ -242,6 +241,26 @@ class Averager:
         self.counters.inc("exchange.ok")
         self.counters.inc("exchange.bytes", nbytes + reply.nbytes)
         return True
+
+    def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
+               sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
+        """(diff = their weights - ours, clipped or refused by the robust merge; their
+        payload, moved towards ours as far as diff was clipped (None when the payload is
+        the weights: diff says it all); how far apart the two were). Raises Rejected."""
+        n = snap.numel()
+        if self.merge.payload_kind == "weights":
+            diff = remote.sub_(snap)  # no copy: the weights payload is not needed again
+            disagreement = relative_disagreement(snap, diff)
+            self.guard.admit(unit, snap, diff, sender)  # clipped in place, or refused
+            return diff, None, disagreement
+        diff = self.merge.weights_of(remote, n) - snap
+        disagreement = relative_disagreement(snap, diff)
+        before = float(diff.norm())
+        self.guard.admit(unit, snap, diff, sender)
+        after = float(diff.norm())
+        if after < before:  # clipped: the whole payload comes as much closer to ours
+            remote = mine + (remote - mine).mul_(after / before)
+        return diff, remote, disagreement
 
     # ------------------------------------------------------------ responder
     def serve_exchange(self, incoming: Incoming) -> Reply:
@@ -256,18 +275,24 @@ class Averager:
         if self.table.penalised(h["from"]):  # it sent something refused: not served either
             self.counters.inc("served.refused")
             return _refuse(base, "nack", "penalised: an earlier message was refused")
+        kind = self.merge.payload_kind
+        if h.get("payload", "weights") != kind:  # a group of mixed strategies: not its fault
+            self.counters.inc("served.refused")
+            return _refuse(base, "nack", f"this peer's strategy is {self.merge.name}")
         if not self._claim(unit):
             self.counters.inc("served.busy")
             return _refuse(base, "busy", "unit in another exchange", unit)
         try:
             codec = get_codec(h["codec"])
-            remote = decode_checked(codec, h["tensors"], incoming.frames, self.params.numel(unit))
+            n = self.params.numel(unit)
+            remote = decode_checked(codec, h["tensors"], incoming.frames,
+                                    self.merge.payload_numel(n))  # fmt: skip
             snap = self.params.snapshot(unit)
-            diff = remote.sub_(snap)  # theirs - ours
+            mine = self.merge.payload(unit, snap)
             # int8 replies are deltas against the request (small numbers, small rounding);
-            # fp32/bf16 replies are the snapshot itself, which nobody writes again
-            metas, buffers = codec.encode(-diff if codec.name == "int8" else snap)
-            self.guard.admit(unit, snap, diff, h["from"])  # after the reply is encoded from it
+            # fp32/bf16 replies are our payload itself, which nobody writes again
+            metas, buffers = codec.encode(mine - remote if codec.name == "int8" else mine)
+            diff, remote, _ = self._judge(unit, snap, mine, remote, h["from"])
         except BaseException:
             self._release(unit)
             raise
@@ -275,12 +300,14 @@ class Averager:
         base.update(
             unit=unit, codec=codec.name, weight=w_me, tensors=metas, delta=codec.name == "int8"
         )
+        if kind != "weights":
+            base["payload"] = kind
         base["served"] = time.monotonic() - incoming.received
 
         def apply() -> None:  # after the reply is on its way: merging is off the critical path
             try:
                 beta = safe_beta(w_me, w_them) * self.guard.trust(h["from"])
-                self.merge.merge(unit, snap, diff, beta)
+                self.merge.merge(unit, snap, diff, beta, remote)
                 self.table.served_exchange(h["from"])
                 self._served.append(time.monotonic())
                 self.counters.inc("served.ok")

@@ -17,6 +17,19 @@ exchange was on the wire are kept, not overwritten.
             target, g = outer - target is the pseudo-gradient, outer Nesterov SGD
             (m = mu m + g; outer -= lr (g + mu m)) and x = outer + local progress. Both
             ends of an exchange take the step. With lr 1, mu 0 it is plain gossip.
+    noloco  DiLoCo's schedule, NoLoCo's split (Kolehmainen et al. 2025): an exchange
+            carries each end's outer weights phi and pseudo-gradient d = phi - x, so the
+            two are told apart: the momentum sees only the pair's mean pseudo-gradient,
+            the outer weights are pulled to the pair's mean without it:
+                d' = (1-b) d_i + b d_j;  m = mu m + d'
+                phi_i += -lr (d' + mu m) + gamma b (phi_j - phi_i)
+            With lr 1, mu 0, gamma 1 it is plain gossip. In DiLoCo's rule the momentum
+            also carries the disagreement between the two ends, and with frequent outer
+            steps it oscillates (docs/benchmarks.md "The outer optimizer").
+
+An exchange's payload is the unit's weights (gossip, diloco) or [phi; d] (noloco):
+`payload()` makes ours, `weights_of()` reads a partner's weights out of theirs (the robust
+merge judges weights, whatever is sent).
 """
 
 from __future__ import annotations
@@ -60,11 +73,23 @@ def relative_disagreement(local: torch.Tensor, diff: torch.Tensor) -> float:
 
 class GossipMerge:
     name = "gossip"
+    payload_kind = "weights"  # what an exchange carries (the header's `payload`)
 
     def __init__(self, params: UnitParams):
         self.params = params
 
     step = 0
+
+    def payload_numel(self, n: int) -> int:
+        return n
+
+    def payload(self, unit: int, snap: torch.Tensor) -> torch.Tensor:
+        """What we send for `unit`, given its snapshot (never written afterwards)."""
+        return snap
+
+    def weights_of(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        """The sender's weights in a payload (may be the payload itself)."""
+        return payload
 
     def due(self, unit: int) -> bool:
         return True
@@ -78,12 +103,14 @@ class GossipMerge:
     def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> bool:
         return False
 
-    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float) -> None:
-        """diff = remote - snap (consumed: scaled in place)."""
+    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float,
+              remote: torch.Tensor | None = None) -> None:  # fmt: skip
+        """diff = remote weights - snap (consumed: scaled in place); remote = the partner's
+        payload, moved towards ours as far as the robust merge clipped diff."""
         self.params.add(unit, diff.mul_(beta))
 
 
-class DiLoCoMerge:
+class DiLoCoMerge(GossipMerge):
     """Decentralised DiLoCo. Costs two fp32 copies of the model (outer weights, momentum)."""
 
     name = "diloco"
@@ -153,7 +180,8 @@ class DiLoCoMerge:
             self.outer[u], self.momentum[u], self.last_outer_step[u] = w, m, s
         return True
 
-    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float) -> None:
+    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float,
+              remote: torch.Tensor | None = None) -> None:  # fmt: skip
         # called with the unit claimed by exactly one exchange, so its state is ours
         target = snap + beta * diff
         g = self.outer[unit] - target  # pseudo-gradient
@@ -164,7 +192,54 @@ class DiLoCoMerge:
         self.last_outer_step[unit] = self.step
 
 
+class NoLoCoMerge(DiLoCoMerge):
+    """DiLoCo's state and schedule; the exchange carries [phi; d] and the rule keeps the
+    pair's disagreement out of the momentum (module docstring)."""
+
+    name = "noloco"
+    payload_kind = "outer"
+
+    def __init__(self, params: UnitParams, inner_steps: int, lr: float, momentum: float,
+                 consensus: float):  # fmt: skip
+        self.gamma = consensus
+        super().__init__(params, inner_steps, lr, momentum)
+
+    def payload_numel(self, n: int) -> int:
+        return 2 * n
+
+    def payload(self, unit: int, snap: torch.Tensor) -> torch.Tensor:
+        outer = self.outer[unit]
+        return torch.cat([outer, outer - snap])
+
+    def weights_of(self, payload: torch.Tensor, n: int) -> torch.Tensor:
+        return payload[:n] - payload[n:]
+
+    def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float,
+              remote: torch.Tensor | None = None) -> None:  # fmt: skip
+        if remote is None:
+            raise ValueError("noloco merges need the partner's payload")
+        n = snap.numel()
+        outer = self.outer[unit]
+        mine_d = outer - snap
+        d = mine_d.add_(remote[n:] - mine_d, alpha=beta)  # the pair's pseudo-gradient
+        m = self.momentum[unit].mul_(self.mu).add_(d)
+        new_outer = outer - self.lr * (d + self.mu * m)
+        new_outer.add_(remote[:n] - outer, alpha=self.gamma * beta)
+        self.params.add(unit, new_outer - snap)
+        self.outer[unit] = new_outer
+        self.last_outer_step[unit] = self.step
+
+
+# outer learning rate and momentum when the config leaves them unset, per strategy
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (1.0, 0.5)}
+
+
 def make_merge(strategy: str, params: UnitParams, gcfg) -> GossipMerge | DiLoCoMerge:
-    if strategy == "diloco":
-        return DiLoCoMerge(params, gcfg.diloco_steps, gcfg.outer_lr, gcfg.outer_momentum)
-    return GossipMerge(params)
+    if strategy not in OUTER_DEFAULTS:
+        return GossipMerge(params)
+    lr, mu = OUTER_DEFAULTS[strategy]
+    lr = lr if gcfg.outer_lr is None else gcfg.outer_lr
+    mu = mu if gcfg.outer_momentum is None else gcfg.outer_momentum
+    if strategy == "noloco":
+        return NoLoCoMerge(params, gcfg.diloco_steps, lr, mu, gcfg.outer_consensus)
+    return DiLoCoMerge(params, gcfg.diloco_steps, lr, mu)

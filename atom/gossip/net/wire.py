@@ -20,7 +20,8 @@ Header fields (all messages):
     step     sender's optimizer step;  samples  sequences it has trained on;  ready  joined
 Per kind: unit, codec, weight, delta, served, tensors, peers, links, load, reason; a state
 pull may ask for a `part` (weights, or DiLoCo's outer weights or momentum, with the
-unit's `outer_step`).
+unit's `outer_step`); an exchange names its `payload` when it is not the weights
+(NoLoCo's outer weights and pseudo-gradient, one tensor of twice the unit's size).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ KINDS = {
     "bye": set(),
     "probe": {"tensors"},
     "ack": set(),
-    "xreq": {"unit", "codec", "weight", "tensors", "delta"},
-    "xrep": {"unit", "codec", "weight", "tensors", "delta", "served"},
+    "xreq": {"unit", "codec", "weight", "tensors", "delta", "payload"},
+    "xrep": {"unit", "codec", "weight", "tensors", "delta", "served", "payload"},
     "busy": {"unit", "reason"},
     "sreq": {"unit", "part"},
     "srep": {"unit", "codec", "weight", "tensors", "part", "outer_step"},
@@ -59,8 +60,10 @@ KINDS = {
 }
 COMMON = {"v", "kind", "group", "fp", "from", "to", "inc", "ep", "rid", "step", "samples", "ready"}
 # every other field of a kind is required
-OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step"}
+OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step", "payload"}
 PARTS = ("weights", "outer", "momentum")  # what a state pull asks for (DiLoCo: all three)
+# what an exchange carries: the weights, or NoLoCo's [outer weights; pseudo-gradient]
+PAYLOADS = ("weights", "outer")
 
 
 class Rejected(Exception):
@@ -208,6 +211,7 @@ _CHECKS = {
     "served": lambda v: _float(v, "served", 0.0, 1e6),
     "part": lambda v: v if v in PARTS else _fail("schema", f"part must be one of {PARTS}"),
     "outer_step": lambda v: _int(v, "outer_step"),
+    "payload": lambda v: v if v in PAYLOADS else _fail("schema", f"payload not in {PAYLOADS}"),
     "load": lambda v: _float(v, "load", 0.0, 1e6),
     "reason": lambda v: _str(v, "reason", 200),
     "tensors": _tensors,
