@@ -237,6 +237,26 @@ def test_poisoned_reply_is_not_applied_and_its_sender_is_shunned(group):
     assert all(p.id != "b" for p in a.table.candidates())  # not chosen for penalty_s
 
 
+def test_noloco_payload_is_judged_whole_not_by_the_weights_it_implies(group):
+    # outer weights and pseudo-gradient both shifted by 1e4: the weights they imply
+    # (phi - d) are b's own, but the momentum would take the pseudo-gradient whole
+    d = {"strategy": "noloco", "diloco_steps": 10**6, "interval_s": 60.0}
+    a = group("a", seed=1, **d)
+    b = group("b", seed=2, join=a.endpoint, **d)
+    honest = b.averager.serve_exchange
+
+    def shifted(incoming):
+        header, buffers, after = honest(incoming)
+        return header, [np.array(buffers[0], copy=True) + np.float32(1e4)], after
+
+    b.averager.serve_exchange = shifted
+    wait_until(lambda: any(p.id == "b" for p in a.table.candidates()), 5, "b known to a")
+    before = weights(a)
+    assert not a.averager.exchange(a.table.get("b"), 1)
+    assert a.counters.get("rejected.outlier") == 1
+    assert torch.equal(weights(a), before) and float(a.merge.momentum[1].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("fault", ["truncated", "silent"])
 def test_partial_or_missing_reply_changes_nothing(group, fault):
     a = group("a", seed=1, interval_s=60.0, timeout_s=0.5)

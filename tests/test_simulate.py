@@ -132,6 +132,24 @@ def test_simulate_systems_respond_to_the_link_as_modelled():
     assert all(slower[k].step_s > fast[k].step_s for k in fast)
 
 
+def test_simulate_models_the_outer_optimizers_schedule():
+    cfg = _tiny()
+    plan = Candidate(1, 1, 4, 1, False, False)
+    m, fast = _machine(), Links.uniform(4, 10_000)
+    runs = {}
+    for strategy in ("gossip", "diloco", "noloco"):
+        w = Workload(peers=4, peer_batch=4, chunks=8, strategy=strategy, inner_steps=40)
+        runs[strategy] = next(p for p in simulate(cfg, m, fast, w, plan) if p.system == "atom")
+    # a unit is due every H steps and served about as often: averaged every ~H/2 steps
+    assert runs["diloco"].detail["tau_steps"] == pytest.approx(20)
+    assert runs["gossip"].detail["tau_steps"] < runs["diloco"].detail["tau_steps"]
+    assert runs["diloco"].sent_bytes_per_step < runs["gossip"].sent_bytes_per_step
+    # noloco's exchange carries outer weights and pseudo-gradient: twice the bytes
+    assert runs["noloco"].sent_bytes_per_step == pytest.approx(
+        2 * runs["diloco"].sent_bytes_per_step)  # fmt: skip
+    assert runs["diloco"].step_s == runs["gossip"].step_s  # never on the step's path
+
+
 def _params(cfg: Config):
     from atom.model import build_model
 

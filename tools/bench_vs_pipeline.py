@@ -20,6 +20,8 @@
                --chunks micro-batches of peers x micro_batch / chunks sequences
      atom      `atom train --listen --join --insecure` in every namespace (gossip over the
                shaped links; each peer its own data seed), SIGINT after --seconds
+     atom-avg  the same with plain fp32 averaging (gossip.strategy gossip), beside the
+               default (tools/baselines/settings.py ATOM_VARIANTS)
    All three train the same model from the same initial weights with the same AdamW,
    learning rate (constant after warm-up), clipping and tokens per step (peers x
    micro_batch sequences per optimizer step across the group). Snapshots are evaluated
@@ -47,13 +49,13 @@ import sys
 import time
 from pathlib import Path
 
-from tools.baselines.settings import ATOM_ONLY, MODEL, TRAIN, overrides
+from tools.baselines.settings import ATOM_ONLY, ATOM_VARIANTS, MODEL, TRAIN, overrides
 from tools.cpuload import ForeignLoad, wait_quiet
 from tools.jsonl import read_records
 
 log = logging.getLogger("bench_vs_pipeline")
 
-SYSTEMS = ("ddp", "pipeline", "atom")
+SYSTEMS = ("ddp", "pipeline", *ATOM_VARIANTS)
 
 
 def sets(d: dict) -> list[str]:
@@ -224,8 +226,8 @@ def _wait(pred, timeout: float, what: str, procs: list[subprocess.Popen]) -> Non
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def run_atom(net, out: Path, data: Path, seconds: float, port: int,
-             ckpt_steps: int) -> list[int | None]:  # fmt: skip
+def run_atom(net, out: Path, data: Path, seconds: float, port: int, ckpt_steps: int,
+             variant: dict) -> list[int | None]:  # fmt: skip
     peers = [out / f"peer{i}" for i in range(net.n)]
     procs: list[subprocess.Popen] = []
     try:
@@ -234,7 +236,8 @@ def run_atom(net, out: Path, data: Path, seconds: float, port: int,
                    "--max-steps", "10000000", "--out", str(run), "--insecure",
                    "--listen", f"tcp://{net.ip(i)}:{port}"]  # fmt: skip
             cmd += sets({**MODEL, **TRAIN, **ATOM_ONLY, "train.data": data, "train.seed": i,
-                         "train.ckpt_interval": ckpt_steps, "gossip.name": f"peer{i}"})  # fmt: skip
+                         "train.ckpt_interval": ckpt_steps, "gossip.name": f"peer{i}",
+                         **variant})  # fmt: skip
             if i:
                 cmd += ["--join", f"tcp://{net.ip(0)}:{port}"]
             with open(out / f"peer{i}.log", "w") as f:
@@ -332,8 +335,9 @@ def one_run(args, net, system: str, mbps: float, out: Path, data: Path, port: in
     load = None
     try:
         with ForeignLoad() as load:
-            if system == "atom":
-                codes = run_atom(net, out, data, args.seconds, port, args.atom_ckpt)
+            if system in ATOM_VARIANTS:
+                codes = run_atom(net, out, data, args.seconds, port, args.atom_ckpt,
+                                 ATOM_VARIANTS[system])  # fmt: skip
             else:
                 codes = run_baseline(net, system, out, data, args.seconds, port, args.chunks)
         error = None

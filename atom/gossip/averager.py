@@ -244,23 +244,20 @@ class Averager:
 
     def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
                sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
-        """(diff = their weights - ours, clipped or refused by the robust merge; their
-        payload, moved towards ours as far as diff was clipped (None when the payload is
-        the weights: diff says it all); how far apart the two were). Raises Rejected."""
-        n = snap.numel()
+        """(diff = their weights - ours; their payload (None when it is the weights: diff
+        says it all); how far apart the two were), after the robust merge clipped or
+        refused (Rejected) the payloads' difference. The whole payload is judged, not only
+        the weights it implies: noloco's outer weights and pseudo-gradient could each be
+        huge and still imply harmless weights."""
+        pdiff = remote.sub_(mine)  # no copy: the payload itself is not needed again
         if self.merge.payload_kind == "weights":
-            diff = remote.sub_(snap)  # no copy: the weights payload is not needed again
-            disagreement = relative_disagreement(snap, diff)
-            self.guard.admit(unit, snap, diff, sender)  # clipped in place, or refused
-            return diff, None, disagreement
-        diff = self.merge.weights_of(remote, n) - snap
-        disagreement = relative_disagreement(snap, diff)
-        before = float(diff.norm())
-        self.guard.admit(unit, snap, diff, sender)
-        after = float(diff.norm())
-        if after < before:  # clipped: the whole payload comes as much closer to ours
-            remote = mine + (remote - mine).mul_(after / before)
-        return diff, remote, disagreement
+            disagreement = relative_disagreement(snap, pdiff)
+            self.guard.admit(unit, snap, pdiff, sender)  # clipped in place, or refused
+            return pdiff, None, disagreement
+        self.guard.admit(unit, mine, pdiff, sender)
+        remote = pdiff.add_(mine)
+        diff = self.merge.weights_of(remote, snap.numel()) - snap
+        return diff, remote, relative_disagreement(snap, diff)
 
     # ------------------------------------------------------------ responder
     def serve_exchange(self, incoming: Incoming) -> Reply:

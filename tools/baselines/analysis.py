@@ -30,8 +30,10 @@ from tools.jsonl import read_records
 log = logging.getLogger(__name__)
 
 VAL_BATCHES, VAL_BATCH, VAL_SEED = 16, 16, 0
-LABEL = {"atom": "atom (gossip)", "pipeline": "GPipe pipeline", "ddp": "DDP (sync all-reduce)"}
-COLOR = {"atom": "tab:green", "pipeline": "tab:orange", "ddp": "tab:blue"}
+LABEL = {"atom": "atom (default)", "atom-avg": "atom (plain averaging)",
+         "pipeline": "GPipe pipeline", "ddp": "DDP (sync all-reduce)"}  # fmt: skip
+COLOR = {"atom": "tab:green", "atom-avg": "tab:olive", "pipeline": "tab:orange",
+         "ddp": "tab:blue"}  # fmt: skip
 
 
 class Evaluator:
@@ -113,7 +115,7 @@ def baseline_run(ev: Evaluator, run: Path, system: str, peers: int) -> dict:
 def atom_run(ev: Evaluator, run: Path, peers: int, n_units: int) -> dict:
     from atom.checkpoint import load_checkpoint
 
-    per_peer, rates, taus, exchanges = [], [], [], []
+    per_peer, rates, taus, exchanges, sent = [], [], [], [], []
     tokens_per_step = ev.cfg.train.micro_batch * ev.cfg.model.seq_len
     for i in range(peers):
         peer = run / f"peer{i}"
@@ -127,6 +129,12 @@ def atom_run(ev: Evaluator, run: Path, peers: int, n_units: int) -> dict:
         rates.append(_throughput([(walls[r["step"]], r["step"] * tokens_per_step)
                                   for r in metrics]))  # fmt: skip
         last = metrics[-1]
+        try:  # bytes this peer sent per optimizer step (gossip.json, written as it ran)
+            wire = json.loads((peer / "gossip.json").read_text()).get("wire") or {}
+        except (OSError, json.JSONDecodeError):
+            wire = {}
+        if wire.get("sent_per_step") is not None:
+            sent.append(wire["sent_per_step"])
         ex = last.get("gossip", {}).get("exchanges", 0)
         exchanges.append(ex)
         taus.append(last["step"] * n_units / ex if ex else math.inf)
@@ -169,6 +177,7 @@ def atom_run(ev: Evaluator, run: Path, peers: int, n_units: int) -> dict:
         "tokens_per_s": sum(rates),
         "tau_steps": statistics.median(taus) if taus else math.inf,
         "exchanges": exchanges,
+        "sent_bytes_per_step": statistics.mean(sent) if sent else None,
     }
 
 

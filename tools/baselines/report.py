@@ -16,37 +16,47 @@ import statistics
 from pathlib import Path
 
 from tools.baselines import analysis as an
+from tools.baselines.settings import ATOM_VARIANTS
 
 log = logging.getLogger(__name__)
 
 
 def predictions(work: Path, profile: dict, rates: list[float], peers: int, chunks: int,
-                tau0: float, scale: float) -> dict:  # fmt: skip
+                tau0: dict[str, float], scale: float) -> dict:  # fmt: skip
     """The simulator's view of every run: fed the one-thread profile, compute slowed by
-    `scale` (4 processes took turns on 2 cores in every run)."""
+    `scale` (4 processes took turns on 2 cores in every run); each atom variant with its
+    own gossip settings (strategy, H, codec) and fitted tau0."""
     import torch
 
     from atom.config import load_config
+    from atom.gossip.net.codecs import get_codec
     from profiler.cost import Candidate
     from profiler.hardware import HardwareSpec
     from profiler.simulate import Links, Machine, Workload, simulate
     from profiler.timing import PieceTimes, scaled_times
     from tools.baselines.settings import ATOM_ONLY, overrides
 
-    cfg = load_config(None, overrides() + [f"swap.checkpoint={ATOM_ONLY['swap.checkpoint']}"])
     hw = HardwareSpec.from_dict(profile["hardware"])
     table = {int(k): PieceTimes(**v) for k, v in profile["pieces"].items()}
     m = Machine(hw, torch.float32, scaled_times(table), scale)
-    s = cfg.swap
-    plan = Candidate(s.layers_per_unit, s.prefetch, cfg.train.micro_batch, 1, s.checkpoint,
-                     s.offload_activations)  # fmt: skip
-    w = Workload(peers, cfg.train.micro_batch, chunks, lambda n: 4 * n,
-                 cfg.gossip.lanes, cfg.gossip.interval_s, tau0)  # fmt: skip
     out = {}
-    for r in rates:
-        for p in simulate(cfg, m, Links.uniform(peers, r), w, plan):
-            out[(p.system, r)] = p
+    for variant, settings in ATOM_VARIANTS.items():
+        extra = [f"swap.checkpoint={ATOM_ONLY['swap.checkpoint']}"]
+        extra += [f"{k}={v}" for k, v in settings.items()]
+        cfg = load_config(None, overrides() + extra)
+        g, s = cfg.gossip, cfg.swap
+        plan = Candidate(s.layers_per_unit, s.prefetch, cfg.train.micro_batch, 1, s.checkpoint,
+                         s.offload_activations)  # fmt: skip
+        w = Workload(peers, cfg.train.micro_batch, chunks, get_codec(g.codec).wire_bytes,
+                     g.lanes, g.interval_s, tau0.get(variant), g.strategy,
+                     g.diloco_steps)  # fmt: skip
+        for r in rates:
+            for p in simulate(cfg, m, Links.uniform(peers, r), w, plan):
+                out[(variant if p.system == "atom" else p.system, r)] = p
     return {"scale": scale, "by_run": out}
+
+
+SHOWN = (*ATOM_VARIANTS, "pipeline", "ddp")  # the order of tables and figures
 
 
 def _pct(pred: float, meas: float) -> str:
@@ -55,7 +65,6 @@ def _pct(pred: float, meas: float) -> str:
 
 def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
     from profiler.analysis import ModelAnalysis
-    from profiler.simulate import DEFAULT_TAU0
 
     index = [e for e in json.loads((work / "runs.json").read_text()) if not e.get("error")]
     if not index:
@@ -67,7 +76,7 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
     runs: dict[tuple[str, float], dict] = {}
     for e in index:
         run = work / e["dir"]
-        if e["system"] == "atom":
+        if e["system"] in ATOM_VARIANTS:
             res = an.atom_run(ev, run, peers, n_units)
         else:
             res = an.baseline_run(ev, run, e["system"], peers)
@@ -77,16 +86,16 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
     ref = an.reference_curve(ev, work) if (work / "reference").exists() else []
     ev.save()
     rates = sorted({r for _, r in runs}, reverse=True)
-    # atom's convergence per token against the sync reference, and tau0 fitted to it
-    pairs, etas = [], {}
-    for r in rates:
-        res = runs.get(("atom", r))
-        if res and ref:
-            eta = an.measured_eta(ref, res["curve"])
-            etas[r] = eta
+    # each atom variant's convergence per token against the sync reference, and its tau0
+    # fitted to it (None: the simulator's default for the variant's strategy)
+    pairs: dict[str, list] = {}
+    etas: dict[tuple[str, float], float | None] = {}
+    for (system, r), res in runs.items():
+        if system in ATOM_VARIANTS and ref:
+            eta = etas[(system, r)] = an.measured_eta(ref, res["curve"])
             if eta is not None and res["tau_steps"] < float("inf"):
-                pairs.append((res["tau_steps"], eta))
-    tau0 = an.fit_tau0(pairs, peers) if pairs else DEFAULT_TAU0
+                pairs.setdefault(system, []).append((res["tau_steps"], eta))
+    tau0 = {v: an.fit_tau0(p, peers) for v, p in pairs.items()}
     # the compute scale: measured (trainers sharing the cores, no network) when the sweep
     # measured it, else assumed processes / cores; both errors are reported
     assumed = max(1.0, peers / profile["cores"])
@@ -98,12 +107,12 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
         else predictions(work, profile, rates, peers, chunks, tau0, measured)
     )
     if target_loss is None:  # the lowest loss every atom run and the reference reached
-        finals = [runs[k]["curve"][-1]["val_loss"] for k in runs if k[0] == "atom"]
+        finals = [runs[k]["curve"][-1]["val_loss"] for k in runs if k[0] in ATOM_VARIANTS]
         target_loss = round(max(finals + [ref[-1][1] if ref else 0]) + 0.005, 2)
     need = an.sync_tokens(ref, target_loss) if ref else None
     rows = []
     for r in rates:
-        for system in ("atom", "pipeline", "ddp"):
+        for system in SHOWN:
             res = runs.get((system, r))
             if res is None or not res["curve"]:
                 continue
@@ -116,7 +125,9 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
                 "final_val_loss": res["curve"][-1]["val_loss"],
                 "time_to_target_s": t_meas, "pred_time_to_target_s": t_pred,
                 "tau_steps": res.get("tau_steps"), "pred_tau_steps": p.detail.get("tau_steps"),
-                "eta": etas.get(r) if system == "atom" else 1.0, "pred_eta": p.efficiency,
+                "eta": etas.get((system, r), 1.0), "pred_eta": p.efficiency,
+                "sent_bytes_per_step": res.get("sent_bytes_per_step"),
+                "pred_sent_bytes_per_step": p.sent_bytes_per_step,
                 "foreign_cpu_share": res["foreign_cpu_share"],
             })  # fmt: skip
     errs = [abs(x["pred_tokens_per_s"] / x["tokens_per_s"] - 1) for x in rows]
@@ -165,20 +176,24 @@ def markdown(s: dict) -> str:
     lines = [
         f"Target loss {s['target_loss']:.2f} (the sync-SGD reference needs "
         f"{(s['reference_tokens_to_target'] or 0) / 1e6:.2f}M tokens); fitted tau0 "
-        f"{s['tau0']:.2f} steps; compute scale {s['compute_scale']:.2f} "
+        f"{', '.join(f'{v} {t:.2f}' for v, t in s['tau0'].items()) or '-'} steps; "
+        f"compute scale {s['compute_scale']:.2f} "
         f"({'measured' if s['compute_scale'] != s['compute_scale_assumed'] else 'assumed'}"
         f"; processes / cores would be {s['compute_scale_assumed']:g}).",
         "",
         "| link | system | steps | tokens/s | val loss at end | time to target | "
-        "other users' CPU |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "sent per peer per step | other users' CPU |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in s["rows"]:
         share = r["foreign_cpu_share"]
+        sent = r["sent_bytes_per_step"]  # measured (atom), else the model's arithmetic
+        sent_s = (f"{sent / 1e3:,.0f} kB" if sent is not None
+                  else f"{r['pred_sent_bytes_per_step'] / 1e3:,.0f} kB (model)")  # fmt: skip
         lines.append(
             f"| {r['mbps']:g} Mb/s | {an.LABEL[r['system']]} | {r['steps']:.0f} | "
             f"{r['tokens_per_s']:,.0f} | {r['final_val_loss']:.3f} | "
-            f"{_t(r['time_to_target_s'])} | {'-' if share is None else f'{share:.0%}'} |"
+            f"{_t(r['time_to_target_s'])} | {sent_s} | {'-' if share is None else f'{share:.0%}'} |"
         )
     lines += [
         "",
@@ -226,7 +241,7 @@ def figures(s: dict, runs: dict, rates: list[float], docs: Path) -> None:
     cols = min(len(rates), 4)
     fig, axes = plt.subplots(1, cols, figsize=(4 * cols, 3.6), sharey=True, squeeze=False)
     for ax, r in zip(axes[0], rates, strict=False):
-        for system in ("atom", "pipeline", "ddp"):
+        for system in SHOWN:
             res = runs.get((system, r))
             if not res or not res["curve"]:
                 continue
@@ -253,7 +268,7 @@ def figures(s: dict, runs: dict, rates: list[float], docs: Path) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for system in ("atom", "pipeline", "ddp"):
+    for system in SHOWN:
         pts = [(r["mbps"], r["tokens_per_s"], r["pred_tokens_per_s"])
                for r in s["rows"] if r["system"] == system]  # fmt: skip
         if not pts:

@@ -20,3 +20,11 @@ ATOM_ONLY = {
 
 def overrides() -> list[str]:
     return [f"{k}={v}" for k, v in {**MODEL, **TRAIN}.items()]
+
+
+# atom's variants in one sweep: gossip settings on top of ATOM_ONLY ("atom" = the tree's
+# defaults, whatever strategy and codec they are; "atom-avg" = plain fp32 averaging)
+ATOM_VARIANTS = {
+    "atom": {},
+    "atom-avg": {"gossip.strategy": "gossip", "gossip.codec": "fp32"},
+}
