@@ -30,7 +30,7 @@ from tools.jsonl import read_records
 log = logging.getLogger(__name__)
 
 VAL_BATCHES, VAL_BATCH, VAL_SEED = 16, 16, 0
-LABEL = {"atom": "atom (default)", "atom-avg": "atom (plain averaging)",
+LABEL = {"atom": "atom (outer optimizer, int8)", "atom-avg": "atom (plain averaging)",
          "pipeline": "GPipe pipeline", "ddp": "DDP (sync all-reduce)"}  # fmt: skip
 COLOR = {"atom": "tab:green", "atom-avg": "tab:olive", "pipeline": "tab:orange",
          "ddp": "tab:blue"}  # fmt: skip

@@ -22,9 +22,12 @@ def overrides() -> list[str]:
     return [f"{k}={v}" for k, v in {**MODEL, **TRAIN}.items()]
 
 
-# atom's variants in one sweep: gossip settings on top of ATOM_ONLY ("atom" = the tree's
-# defaults, whatever strategy and codec they are; "atom-avg" = plain fp32 averaging)
+# atom's variants in one sweep, gossip settings on top of ATOM_ONLY, each spelled out so
+# that a change of defaults does not change what a figure measured: "atom" = the outer
+# optimizer (decentralised DiLoCo, H 30, outer lr 1, momentum 0.5, int8 exchanges),
+# "atom-avg" = plain fp32 pairwise averaging (the only strategy before 2026-11-25)
 ATOM_VARIANTS = {
-    "atom": {},
+    "atom": {"gossip.strategy": "diloco", "gossip.diloco_steps": 30, "gossip.outer_lr": 1.0,
+             "gossip.outer_momentum": 0.5, "gossip.codec": "int8"},
     "atom-avg": {"gossip.strategy": "gossip", "gossip.codec": "fp32"},
-}
+}  # fmt: skip
