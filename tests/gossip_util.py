@@ -45,6 +45,9 @@ PEER_ARGS = [
     "--set", "gossip.dead_after_s=1.5",
     "--set", "gossip.join_timeout_s=20",
     "--set", "gossip.interval_s=0.05",  # tiny model, short runs: mix often
+    # plain averaging, exactly: the tests of the default outer optimizer say so
+    "--set", "gossip.strategy=gossip",
+    "--set", "gossip.codec=fp32",
     "--no-progress",
 ]  # fmt: skip
 

@@ -37,7 +37,10 @@ def group():
     def make(name, seed=1, start=True, model=None, **gossip):
         cfg = tiny_config(train={"seed": seed}, model=model or {})
         engine = build_engine(cfg)
-        settings = {"listen": "tcp://127.0.0.1:0", "name": name or "", "pull_state": False}
+        # the exchange's mechanics on plain averaging (exchanges at once, exact means);
+        # the outer optimizers pin their own strategy
+        settings = {"listen": "tcp://127.0.0.1:0", "name": name or "", "pull_state": False,
+                    "strategy": "gossip", "codec": "fp32"}  # fmt: skip
         settings.update(FAST)
         settings.update(gossip)
         gcfg = replace(cfg, gossip=settings).gossip

@@ -52,6 +52,8 @@ COMMON = [
     "--set", "train.device=cpu", "--set", "train.dtype=fp32", "--set", "train.eval_interval=0",
     "--set", "train.ckpt_interval=0", "--set", "train.micro_batch=8",
     "--set", "gossip.heartbeat_s=0.5", "--set", "gossip.dead_after_s=3",
+    # the figures in docs/benchmarks.md "Peers" are plain fp32 averaging's
+    "--set", "gossip.strategy=gossip", "--set", "gossip.codec=fp32",
 ]  # fmt: skip
 
 
@@ -240,6 +242,8 @@ def _peer_config(d_model: int, **gossip):
         gossip={
             "listen": "tcp://127.0.0.1:0",
             "lanes": 0,  # only the exchanges we time: no lane of our own
+            "strategy": "gossip",  # every exchange when asked (the outer ones wait H steps)
+            "codec": "fp32",
             "heartbeat_s": 0.5,
             "dead_after_s": 5.0,
             "timeout_s": 60.0,

@@ -71,10 +71,11 @@ class GossipConfig:
     advertise: str = ""  # endpoint others dial; default: listen (with a wildcard host resolved)
     group: str = "atom"  # name of an open (keyless) group; keyed groups are named by their key
     # gossip (pairwise averaging) | diloco (outer Nesterov step every diloco_steps) |
-    # noloco (the same, the pair's disagreement kept out of the momentum)
-    strategy: str = "gossip"
+    # noloco (the same, the pair's disagreement kept out of the momentum); the default and
+    # why: docs/benchmarks.md "The outer optimizer"
+    strategy: str = "diloco"
     selection: str = "flow"  # flow (mixing per second) | random (uniform baseline)
-    codec: str = "fp32"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
+    codec: str = "int8"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
     interval_s: float = 0.2  # least time between the starts of two exchanges we initiate
     lanes: int = 2  # exchanges we start at once (different partners); 0: only answer others
     timeout_s: float = 10.0  # one exchange (request + reply) must finish within this
@@ -83,8 +84,8 @@ class GossipConfig:
     join_timeout_s: float = 30.0  # give up joining (exit 2) when no member answers in time
     pull_state: bool = True  # on join, copy parameters and step from a member first
     wait_peers: int = 0  # before the first step, wait (up to join_timeout_s) for this many others
-    diloco_steps: int = 100  # diloco, noloco: inner steps between outer steps of a unit (H)
-    # outer Nesterov SGD; unset: diloco 0.7 / 0.9, noloco 1.0 / 0.5 (atom/gossip/merge.py)
+    diloco_steps: int = 30  # diloco, noloco: inner steps between outer steps of a unit (H)
+    # outer Nesterov SGD; unset: 1.0 / 0.5 (atom/gossip/merge.py OUTER_DEFAULTS)
     outer_lr: float | None = None
     outer_momentum: float | None = None
     outer_consensus: float = 1.0  # noloco: pull towards the pair's mean outer weights
