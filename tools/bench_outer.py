@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from tools.baselines.settings import ATOM_ONLY, MODEL, TRAIN
-from tools.bench_vs_pipeline import child_env, prepare, sets
+from tools.bench_vs_pipeline import _endpoint, _wait, child_env, prepare, sets
 from tools.jsonl import read_records
 
 log = logging.getLogger("bench_outer")
@@ -59,24 +59,6 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     if any(len(kv) != 2 for kv in items):
         raise SystemExit(f"--variant {spec!r}: every item must be key=value")
     return name, {k.strip(): v.strip() for k, v in items}
-
-
-def _endpoint(run: Path) -> str | None:
-    try:
-        return json.loads((run / "gossip.json").read_text()).get("endpoint")
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _wait(pred, timeout: float, what: str, procs: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        if any(p.poll() not in (None, 0) for p in procs):
-            raise RuntimeError(f"a peer failed while waiting for {what}")
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def run_variant(out: Path, data: Path, peers: int, steps: int, gossip: dict | None) -> None:
