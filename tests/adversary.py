@@ -154,8 +154,9 @@ def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = ())
         procs.append(gu.start(cmd, root / f"h{k}.log"))
     bad = None
     if poison is not None:
+        # the honest peers' settings too: a member of another strategy is only refused
         train = gu.peer_cmd(root / "p", shards[0], 10 * steps, 9, *LISTEN, "--join", ep,
-                            "--set", "gossip.interval_s=0.01")[3:]  # fmt: skip
+                            *honest, "--set", "gossip.interval_s=0.01")[3:]  # fmt: skip
         cmd = [sys.executable, "-m", "tests.adversary", "poison", poison, "--", *train]
         bad = gu.start(cmd, root / "p.log")
     t0 = time.monotonic()

@@ -416,6 +416,11 @@ def test_a_diloco_joiner_takes_the_groups_outer_state(group):
     assert torch.equal(b.merge.momentum[1], a.merge.momentum[1])
     assert b.merge.last_outer_step[1] == 7
     assert torch.equal(b.merge.outer[0], a.params.snapshot(0))  # untouched units: as pulled
+    # every unit's schedule, staggered ones too (negative last outer steps at step 0)
+    assert b.merge.last_outer_step == a.merge.last_outer_step
+    assert min(a.merge.last_outer_step.values()) < 0
+    assert not any(k.startswith("rejected.") for k in b.counters.snapshot())
+    assert not b.table.penalised("a")
     plain = group("p", seed=3, interval_s=60.0)
     c = group("c", seed=4, join=plain.endpoint, pull_state=True, **d)
     assert torch.equal(c.merge.outer[1], plain.params.snapshot(1))

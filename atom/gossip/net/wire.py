@@ -210,7 +210,8 @@ _CHECKS = {
     "delta": lambda v: _bool(v, "delta"),
     "served": lambda v: _float(v, "served", 0.0, 1e6),
     "part": lambda v: v if v in PARTS else _fail("schema", f"part must be one of {PARTS}"),
-    "outer_step": lambda v: _int(v, "outer_step"),
+    # negative at the start of a run: the units' outer steps are staggered (merge.py)
+    "outer_step": lambda v: _int(v, "outer_step", -_INT_MAX),
     "payload": lambda v: v if v in PAYLOADS else _fail("schema", f"payload not in {PAYLOADS}"),
     "load": lambda v: _float(v, "load", 0.0, 1e6),
     "reason": lambda v: _str(v, "reason", 200),
