@@ -54,7 +54,10 @@ def test_gossip_beats_isolation_on_disjoint_shards(tmp_path, strategy):
     runs = [tmp_path / f"g{k}" for k in range(3)]
     common = ("--set", "gossip.wait_peers=2", "--set", "gossip.pull_state=false")
     if strategy == "outer":
-        common += OUTER
+        # from one init, as a group starts (joiners copy a member): three random inits
+        # are 1.4x their norm apart, and with ~5 outer steps per unit in 150 steps,
+        # the first clipped to 10% of the norm (robust.py), they do not meet in time
+        common = ("--set", "gossip.wait_peers=2", *OUTER)
     procs = [
         gu.start(gu.peer_cmd(runs[0], shards[0], steps, 1, *LISTEN, *common), tmp_path / "g0.log")
     ]
@@ -84,7 +87,8 @@ def test_gossip_beats_isolation_on_disjoint_shards(tmp_path, strategy):
     isolated = [gu.val_loss(r, union) for r in alone]
     assert all(gu.last_step(r) == steps for r in runs)
     # typically ~10x below both; peers that finish first stop mixing, so allow 3x
-    assert gu.consensus_distance(runs) < at_start / 3
+    if strategy == "gossip":
+        assert gu.consensus_distance(runs) < at_start / 3
     assert gu.consensus_distance(runs) < gu.consensus_distance(alone) / 3
     assert max(with_gossip) < min(isolated), (with_gossip, isolated)
     assert sum(with_gossip) / 3 < sum(isolated) / 3 - 0.2, (with_gossip, isolated)
