@@ -118,7 +118,7 @@ class Workload:
     interval_s: float = 0.1
     tau0: float | None = None  # None: DEFAULT_TAU0, or OUTER_TAU0 of the strategy
     strategy: str = "gossip"  # gossip | diloco | noloco (gossip.strategy)
-    inner_steps: int = 100  # H, steps between a unit's outer steps (gossip.diloco_steps)
+    inner_steps: int = 30  # H, steps between a unit's outer steps (gossip.diloco_steps)
 
     @property
     def convergence_tau0(self) -> float:

@@ -19,9 +19,11 @@
      pipeline  tools/baselines/pipeline.py, GPipe, one stage per namespace,
                --chunks micro-batches of peers x micro_batch / chunks sequences
      atom      `atom train --listen --join --insecure` in every namespace (gossip over the
-               shaped links; each peer its own data seed), SIGINT after --seconds
-     atom-avg  the same with plain fp32 averaging (gossip.strategy gossip), beside the
-               default (tools/baselines/settings.py ATOM_VARIANTS)
+               shaped links; each peer its own data seed), SIGINT after --seconds, with
+               the outer optimizer (diloco, H 30, int8: tools/baselines/settings.py
+               ATOM_VARIANTS)
+     atom-avg  the same with plain fp32 averaging, the default (and what "atom" meant in
+               runs before 2026-11-25)
    All three train the same model from the same initial weights with the same AdamW,
    learning rate (constant after warm-up), clipping and tokens per step (peers x
    micro_batch sequences per optimizer step across the group). Snapshots are evaluated

@@ -28,8 +28,8 @@ exchange was on the wire are kept, not overwritten.
             steps it oscillates (docs/benchmarks.md "The outer optimizer").
 
 An exchange's payload is the unit's weights (gossip, diloco) or [phi; d] (noloco):
-`payload()` makes ours, `weights_of()` reads a partner's weights out of theirs (the robust
-merge judges weights, whatever is sent).
+`payload()` makes ours, `weights_of()` reads a partner's weights out of theirs. The robust
+merge judges the whole payload's difference from ours (atom/gossip/averager.py `_judge`).
 """
 
 from __future__ import annotations

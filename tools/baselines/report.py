@@ -118,16 +118,18 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
                 continue
             p = pred["by_run"][(system, r)]
             t_meas = an.time_to_loss(res["curve"], target_loss)
-            if t_meas is None and need and system not in ATOM_VARIANTS:
+            extrapolated = t_meas is None and bool(need) and system not in ATOM_VARIANTS
+            if extrapolated:
                 # sync SGD at the reference's batch: it needs the reference's tokens, at
                 # the measured tokens/s (a run too short to get there on a slow link)
-                t_meas = -need / res["tokens_per_s"]  # negative: marks "extrapolated"
+                t_meas = need / res["tokens_per_s"]
             t_pred = p.time_to(need) if need else None
             rows.append({
                 "mbps": r, "system": system, "steps": res["steps"], "wall_s": res["wall_s"],
                 "tokens_per_s": res["tokens_per_s"], "pred_tokens_per_s": p.tokens_per_s,
                 "final_val_loss": res["curve"][-1]["val_loss"],
                 "time_to_target_s": t_meas, "pred_time_to_target_s": t_pred,
+                "time_to_target_extrapolated": extrapolated,
                 "tau_steps": res.get("tau_steps"), "pred_tau_steps": p.detail.get("tau_steps"),
                 "eta": etas.get((system, r), 1.0), "pred_eta": p.efficiency,
                 "sent_bytes_per_step": res.get("sent_bytes_per_step"),
@@ -142,7 +144,9 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
     t_errs = [
         abs(x["pred_time_to_target_s"] / x["time_to_target_s"] - 1)
         for x in rows
-        if x["time_to_target_s"] and x["time_to_target_s"] > 0 and x["pred_time_to_target_s"]
+        if x["time_to_target_s"]
+        and not x["time_to_target_extrapolated"]
+        and x["pred_time_to_target_s"]
     ]
     summary = {
         "date": index[0].get("date"),
@@ -172,10 +176,10 @@ def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
     return summary
 
 
-def _t(s: float | None) -> str:
+def _t(s: float | None, extrapolated: bool = False) -> str:
     if s is None:
         return "not reached"
-    return f"{s:.0f} s" if s >= 0 else f"~{-s:.0f} s (extrapolated)"
+    return f"~{s:.0f} s (extrapolated)" if extrapolated else f"{s:.0f} s"
 
 
 def markdown(s: dict) -> str:
@@ -196,10 +200,11 @@ def markdown(s: dict) -> str:
         sent = r["sent_bytes_per_step"]  # measured (atom), else the model's arithmetic
         sent_s = (f"{sent / 1e3:,.0f} kB" if sent is not None
                   else f"{r['pred_sent_bytes_per_step'] / 1e3:,.0f} kB (model)")  # fmt: skip
+        took = _t(r["time_to_target_s"], r["time_to_target_extrapolated"])
         lines.append(
             f"| {r['mbps']:g} Mb/s | {an.LABEL[r['system']]} | {r['steps']:.0f} | "
             f"{r['tokens_per_s']:,.0f} | {r['final_val_loss']:.3f} | "
-            f"{_t(r['time_to_target_s'])} | {sent_s} | {'-' if share is None else f'{share:.0%}'} |"
+            f"{took} | {sent_s} | {'-' if share is None else f'{share:.0%}'} |"
         )
     lines += [
         "",
@@ -216,7 +221,8 @@ def markdown(s: dict) -> str:
             f"{'' if tau is None else f'{tau:.1f}'} | "
             f"{'' if ptau is None else f'{ptau:.1f}'} | "
             f"{'' if eta is None else f'{eta:.2f}'} | {r['pred_eta']:.2f} | "
-            f"{_t(r['time_to_target_s'])} | {_t(r['pred_time_to_target_s'])} |"
+            f"{_t(r['time_to_target_s'], r['time_to_target_extrapolated'])} | "
+            f"{_t(r['pred_time_to_target_s'])} |"
         )
     if s["throughput_error_mean_abs"] is not None:
         lines += [
