@@ -103,10 +103,10 @@ def save_checkpoint(
         _fsync_dir(tmp)
         replaced = _publish(tmp, final)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         raise _save_failed(err, final, root) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         raise
     _fsync_dir(root)  # make the rename itself durable
     if replaced is not None:
@@ -137,11 +137,48 @@ _SAVE_FIXES = {
 }
 
 
+# refusals that say nothing about a file's content (a read can fail for them too)
+_SYSTEM_REFUSALS = (errno.EMFILE, errno.ENFILE)
+_OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
+
+
+def _as_os_error(e: BaseException) -> OSError:
+    """safetensors' Rust core raises SafetensorError with the OS error only in its text
+    ('I/O error: Too many open files (os error 24)'); an OSError with that errno lets a
+    caller tell a full disk or a file-handle shortage from a bad file."""
+    if isinstance(e, OSError):
+        return e
+    found = _OS_ERROR_RE.search(str(e))
+    if found is None:
+        return OSError(_one_line(e))
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
+
+
+def _refusal_behind(e: BaseException, file: Path) -> OSError | None:
+    """The system refusal behind a failed read, if it was one. safe_open reports any
+    failure to open as 'No such file or directory', so the file is opened again here to
+    learn the real reason."""
+    failed = _as_os_error(e)
+    if failed.errno in _SYSTEM_REFUSALS:
+        return failed
+    try:
+        os.close(os.open(file, os.O_RDONLY))
+    except OSError as probe:
+        if probe.errno in _SYSTEM_REFUSALS:
+            return probe
+    return None
+
+
 def _save_failed(err: OSError, final: Path, root: Path) -> CheckpointError:
     """One line: what failed, what is still safe, what to do. A system refusal (disk full,
-    too many open files) is the user's to fix; the half-written directory is gone."""
-    kept = [p for p in list_checkpoints(root) if p != final]
-    safe = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint"
+    too many open files) is the user's to fix; the half-written directory is gone (or, when
+    not even its removal could open a handle, removed by the next save)."""
+    try:
+        kept = [p for p in list_checkpoints(root) if p != final]
+        safe = f"the previous checkpoint {kept[-1]} is intact" if kept else "no earlier checkpoint"
+    except OSError:  # listing needs a file handle too
+        safe = "earlier checkpoints are untouched"
     fix = _SAVE_FIXES.get(err.errno, "check the disk and the run directory")
     error = CheckpointError(
         f"could not save checkpoint {final} ({err.strerror or err}); {safe}; {fix}"
@@ -179,7 +216,10 @@ def _write_files(
         # Drop references before the generator produces the next unit, so peak is one unit.
         del tensors
         path = tmp / name
-        save_file(prepared, str(path))
+        try:
+            save_file(prepared, str(path))
+        except SafetensorError as e:  # the Rust writer's I/O errors are no OSError
+            raise _as_os_error(e) from e
         del prepared
         file_info[name] = _sync_and_hash(path)
     return file_info, owner
@@ -289,8 +329,19 @@ def _remove_dir(path: Path) -> None:
     # half-deleted step_* dir that looks like a checkpoint.
     doomed = path.with_name(f".tmp-pruned-{path.name}-{os.getpid()}")
     os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    _discard(doomed)
     log.info("pruned old checkpoint %s", path)
+
+
+# temp dirs of this process whose removal failed (out of file handles): the next save's
+# prune removes them (another process's are removed once that process is dead)
+_left_behind: set[Path] = set()
+
+
+def _discard(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():  # removing needs file handles too; stat does not
+        _left_behind.add(tmp)
 
 
 def _remove_stale_tmp(root: Path) -> None:
@@ -301,6 +352,10 @@ def _remove_stale_tmp(root: Path) -> None:
         if not m or not entry.is_dir():
             continue
         pid = int(m.group(1))
+        if entry in _left_behind:
+            _left_behind.discard(entry)
+            _discard(entry)  # noted again if it still cannot go
+            continue
         if pid == os.getpid() or _pid_alive(pid):
             continue
         shutil.rmtree(entry, ignore_errors=True)
@@ -397,6 +452,14 @@ class Checkpoint:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 return {name: f.get_tensor(name) for name in names}
         except (SafetensorError, OSError) as e:
+            failed = _refusal_behind(e, file)
+            if failed is not None:  # the system said no: the file may well be fine
+                error = CheckpointError(
+                    f"could not read {file} ({failed.strerror}); the checkpoint is intact; "
+                    f"{_SAVE_FIXES[failed.errno]}"
+                )
+                error.errno = failed.errno
+                raise error from e
             raise _corrupt(self.path, f"cannot read {file.name} ({_one_line(e)})") from e
 
 

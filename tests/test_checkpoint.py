@@ -477,3 +477,61 @@ def test_sigkill_mid_write_always_leaves_a_loadable_checkpoint(tmp_path: Path) -
         for d in _tmp_dirs(tmp_path / "run"):
             assert d.name.endswith(f"-{proc.pid}"), d
         prev_step = ck.step
+
+
+_OUT_OF_FILES_SCRIPT = r"""
+import errno, json, os, resource, sys
+from pathlib import Path
+import torch
+from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+
+run = Path(sys.argv[1])
+save_checkpoint(run, 1, [("a", {"a.w": torch.ones(8)})], {})
+ckpt = load_checkpoint(run)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+outcome = {}
+for what, act in [("save", lambda: save_checkpoint(run, 2, [("a", {"a.w": torch.zeros(8)})], {})),
+                  ("read", lambda: ckpt.get("a.w"))]:
+    try:
+        act()
+        outcome[what] = "ok"
+    except CheckpointError as e:
+        outcome[what] = [getattr(e, "errno", None), str(e)]
+    except Exception as e:
+        outcome[what] = ["other", type(e).__name__, str(e)]
+for fd in held:
+    os.close(fd)
+outcome["after"] = float(load_checkpoint(run).get("a.w").sum())
+save_checkpoint(run, 3, [("a", {"a.w": torch.zeros(8)})], {})  # clears what step 2 left
+outcome["left"] = sorted(p.name for p in (run / "checkpoints").iterdir())
+print(json.dumps(outcome))
+"""
+
+
+def test_out_of_open_files_is_a_system_refusal_not_a_traceback_or_corruption(
+    tmp_path: Path,
+) -> None:
+    """safetensors reports an I/O error as SafetensorError with the OS error in its text: a
+    save or a read that ran out of file handles must come out as a CheckpointError carrying
+    EMFILE (the trainer retries those), leave no half-written directory and not call a good
+    checkpoint corrupt."""
+    import errno
+
+    done = subprocess.run(
+        [sys.executable, "-c", _OUT_OF_FILES_SCRIPT, str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["save"][0] == errno.EMFILE, out
+    assert "open-file limit" in out["save"][1] and "untouched" in out["save"][1]
+    assert out["read"][0] == errno.EMFILE, out
+    assert "corrupt" not in out["read"][1] and "intact" in out["read"][1]
+    assert out["after"] == 8.0
+    assert out["left"] == ["step_00000001", "step_00000003"]  # no half checkpoint, no temp
