@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from atom.gossip.merge import DiLoCoMerge
 from atom.gossip.net.wire import Rejected
 from atom.gossip.robust import DiffGuard, safe_beta
 from tests.test_gossip_peers import group, wait_until, weights  # noqa: F401 (fixture)
@@ -61,6 +62,30 @@ def test_guard_clips_to_the_other_partners_scale():
     plain = DiffGuard()  # clip 0: nothing clipped, only max_relative
     far = torch.full((100,), 1.4)
     assert plain.admit(0, mine, far, "x") == pytest.approx(1.4) and bool(torch.all(far == 1.4))
+
+
+def test_an_outer_optimizer_judges_the_first_voice_by_its_own_progress():
+    """With the outer schedule a poisoner can be the first partner heard on a unit every H
+    steps: the first voice is clipped to clip x how far this peer moved the unit since its
+    outer step (floored at FIRST_FLOOR, at most FIRST_SCALE), not to 10% of its norm."""
+    from atom.gossip.merge import FIRST_FLOOR, DiLoCoMerge
+    from atom.gossip.robust import FIRST_SCALE
+    from tests.test_gossip_wire import FakeParams
+
+    p = FakeParams([torch.ones(100)])
+    outer = DiLoCoMerge(p, inner_steps=10, lr=1.0, momentum=0.5)
+    assert outer.first_scale(0, p.snapshot(0)) == FIRST_FLOOR  # nothing trained yet
+    p.t[0][:50] += 0.06  # some inner steps: moved 0.06 * sqrt(50) / |x|
+    snap = p.snapshot(0)
+    moved = 0.06 * 50**0.5 / float(snap.norm())
+    assert outer.first_scale(0, snap) == pytest.approx(moved, rel=1e-6)
+    guard = DiffGuard(clip=3.0)
+    poison = torch.randn(100)
+    poison *= 0.5 * float(snap.norm()) / float(poison.norm())  # half the unit's norm
+    guard.admit(0, snap, poison, "p", outer.first_scale(0, snap))
+    assert _size(poison, snap) == pytest.approx(3 * moved, rel=1e-5)
+    p.t[0] += 1.0  # far more than an outer step: capped where plain averaging starts
+    assert outer.first_scale(0, p.snapshot(0)) == FIRST_SCALE
 
 
 def test_huge_finite_poison_with_a_huge_weight_is_refused_and_its_sender_unserved(group):  # noqa: F811
@@ -190,8 +215,30 @@ def test_a_partner_clipped_again_and_again_fades_out():
         guard.admit(0, mine, torch.full((100,), 1.0), "p")
         assert guard.trust("p") == pytest.approx(1 / (1 + n))
     assert guard.trust("h0") == 1.0
+    within = torch.full((100,), 0.025)  # within the clip bound (3x), not close (1.5x)
+    guard.admit(0, mine, within, "p")
+    assert torch.all(within == 0.025) and guard.trust("p") == pytest.approx(1 / 5)
     guard.admit(0, mine, torch.full((100,), 0.01), "p")  # came close: trusted again
     assert guard.trust("p") == 1.0
+
+
+def test_an_outer_step_is_not_built_on_a_distrusted_partner():
+    """An exchange with a partner the robust merge shrank lately is averaged in plainly:
+    weights and outer weights move alike, the momentum does not take it (it would carry
+    it on over the next outer steps), and the unit stays due for another partner."""
+    from tests.test_gossip_wire import FakeParams
+
+    p = FakeParams([torch.zeros(4)])
+    outer = DiLoCoMerge(p, inner_steps=2, lr=1.0, momentum=0.5)
+    outer.step = 2
+    p.t[0] += 0.5  # inner progress
+    snap = p.snapshot(0)
+    outer.merge(0, snap, torch.full((4,), 1.0), beta=0.25, clipped=True)
+    assert torch.allclose(p.t[0], torch.full((4,), 0.75))
+    assert torch.allclose(outer.outer[0], torch.full((4,), 0.25))  # progress kept apart
+    assert float(outer.momentum[0].abs().max()) == 0.0 and outer.due(0)
+    outer.merge(0, p.snapshot(0), torch.zeros(4), beta=0.5)  # a trusted partner: outer step
+    assert float(outer.momentum[0].abs().max()) > 0 and not outer.due(0)
 
 
 def test_a_rollback_distrusts_the_peers_merged_since_the_checkpoint(group):  # noqa: F811

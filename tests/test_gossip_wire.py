@@ -246,6 +246,28 @@ def test_flow_cost_uses_both_directions_and_load():
     assert sel.cost(q, 1_000_000, 10e6) > base
 
 
+def test_flow_selection_turns_away_from_a_partner_it_keeps_clipping():
+    """A poisoner shows the largest disagreement by construction, which alone would make
+    it the favourite partner; one clipped exchange after another, the robust merge's trust
+    in it falls (robust.DiffGuard.trust) and so does its share of our exchanges."""
+    from atom.gossip.robust import DiffGuard
+
+    guard = DiffGuard(clip=3.0)
+    now = time.monotonic()
+    ps = [peer(pid, bw=125e6, last=now - 1.0) for pid in ("bad", "h1", "h2")]
+    ps[0].drift, ps[1].drift, ps[2].drift = 0.4, 0.1, 0.1  # 4x: the most drift can tilt
+    sel = FlowSelector("me", explore=0.0, rng=random.Random(0), trust=guard.trust)
+    share = lambda: [sel.choose(ps, 1000).id for _ in range(600)].count("bad") / 600  # noqa: E731
+    assert share() > 0.55  # trusted, it is chosen 4 times as often as each honest peer
+    mine = torch.ones(100)
+    for k in range(2):
+        guard.admit(0, mine, torch.full((100,), 0.01), f"h{k + 1}")
+    for _ in range(12):  # clipped every time
+        guard.admit(0, mine, torch.full((100,), 0.5), "bad")
+    assert guard.trust("bad") == pytest.approx(1 / 13)
+    assert share() < 0.2  # 0.4 / 13 against 0.1 + 0.1
+
+
 def test_random_selection_is_uniform():
     sel = RandomSelector(random.Random(1))
     ps = [peer(f"p{i}") for i in range(4)]

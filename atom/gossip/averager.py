@@ -227,8 +227,8 @@ class Averager:
             self.counters.inc("exchange.failed")
             return False
         w_me, w_them = self.weight(), rh["weight"]
-        beta = safe_beta(w_me, w_them) * self.guard.trust(partner.id)
-        self.merge.merge(unit, snap, diff, beta, remote)
+        trust = self.guard.trust(partner.id)  # below 1: clipped lately (not to build on)
+        self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * trust, remote, trust < 1)
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
         self.table.exchanged(
@@ -245,16 +245,17 @@ class Averager:
     def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
                sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
         """(diff = their weights - ours; their payload (None when it is the weights: diff
-        says it all); how far apart the two were), after the robust merge clipped or
-        refused (Rejected) the payloads' difference. The whole payload is judged, not only
-        the weights it implies: noloco's outer weights and pseudo-gradient could each be
-        huge and still imply harmless weights."""
+        says it all); how far apart the two are as far as we let it in), after the robust
+        merge clipped or refused (Rejected) the payloads' difference. The whole payload is
+        judged, not only the weights it implies: noloco's outer weights and pseudo-gradient
+        could each be huge and still imply harmless weights."""
         pdiff = remote.sub_(mine)  # no copy: the payload itself is not needed again
+        first = self.merge.first_scale(unit, snap)
         if self.merge.payload_kind == "weights":
-            disagreement = relative_disagreement(snap, pdiff)
-            self.guard.admit(unit, snap, pdiff, sender)  # clipped in place, or refused
-            return pdiff, None, disagreement
-        self.guard.admit(unit, mine, pdiff, sender)
+            self.guard.admit(unit, snap, pdiff, sender, first)  # clipped in place, or refused
+            # after the clip: what this exchange could remove (the selector's drift)
+            return pdiff, None, relative_disagreement(snap, pdiff)
+        self.guard.admit(unit, mine, pdiff, sender, first)
         remote = pdiff.add_(mine)
         diff = self.merge.weights_of(remote, snap.numel()) - snap
         return diff, remote, relative_disagreement(snap, diff)
@@ -303,8 +304,9 @@ class Averager:
 
         def apply() -> None:  # after the reply is on its way: merging is off the critical path
             try:
-                beta = safe_beta(w_me, w_them) * self.guard.trust(h["from"])
-                self.merge.merge(unit, snap, diff, beta, remote)
+                trust = self.guard.trust(h["from"])  # below 1: clipped lately (not to build on)
+                beta = safe_beta(w_me, w_them) * trust
+                self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
                 self.table.served_exchange(h["from"])
                 self._served.append(time.monotonic())
                 self.counters.inc("served.ok")

@@ -38,6 +38,7 @@ import torch
 
 from atom.engine import SharedUnit
 from atom.gossip.net.wire import fingerprint
+from atom.gossip.robust import FIRST_SCALE
 
 
 class UnitParams:
@@ -94,6 +95,10 @@ class GossipMerge:
     def due(self, unit: int) -> bool:
         return True
 
+    def first_scale(self, unit: int, snap: torch.Tensor) -> float:
+        """The robust merge's scale for a unit no other partner has been heard on."""
+        return FIRST_SCALE
+
     def reset(self) -> None:
         pass
 
@@ -104,10 +109,14 @@ class GossipMerge:
         return False
 
     def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float,
-              remote: torch.Tensor | None = None) -> None:  # fmt: skip
+              remote: torch.Tensor | None = None, clipped: bool = False) -> None:  # fmt: skip
         """diff = remote weights - snap (consumed: scaled in place); remote = the partner's
-        payload, moved towards ours as far as the robust merge clipped diff."""
+        payload, moved towards ours as far as the robust merge clipped diff; clipped: the
+        robust merge shrank this partner's differences lately (a partner not to build on)."""
         self.params.add(unit, diff.mul_(beta))
+
+
+FIRST_FLOOR = 0.01  # an outer optimizer's first scale, just after a reset (no progress yet)
 
 
 class DiLoCoMerge(GossipMerge):
@@ -141,6 +150,16 @@ class DiLoCoMerge(GossipMerge):
 
     def due(self, unit: int) -> bool:
         return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
+
+    def first_scale(self, unit: int, snap: torch.Tensor) -> float:
+        """How far this peer moved the unit since its last outer step (relative to its
+        norm), floored at FIRST_FLOOR, at most FIRST_SCALE: an honest partner differs by
+        about as much (it made as many steps from a nearby outer point), while 10% of the
+        norm let a poisoner arriving first on a unit, as it does every H steps with the
+        outer schedule, move it far more than an outer step does."""
+        own = max(float(torch.linalg.vector_norm(snap, dtype=torch.float64)), 1e-12)
+        moved = float(torch.linalg.vector_norm(self.outer[unit] - snap, dtype=torch.float64))
+        return min(FIRST_SCALE, max(moved / own, FIRST_FLOOR))
 
     def adopt(self, unit: int, outer: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
         """A joiner takes a member's outer state for a unit (after reset())."""
@@ -181,8 +200,17 @@ class DiLoCoMerge(GossipMerge):
         return True
 
     def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float,
-              remote: torch.Tensor | None = None) -> None:  # fmt: skip
+              remote: torch.Tensor | None = None, clipped: bool = False) -> None:  # fmt: skip
         # called with the unit claimed by exactly one exchange, so its state is ours
+        if clipped:
+            # not an outer step: a partner the robust merge shrank lately is averaged in
+            # plainly (weights and outer weights alike, at its reduced beta) and kept out
+            # of the momentum, which would carry it on for several outer steps; the unit
+            # stays due, so its next exchange, likely with another partner, comes soon
+            step = diff.mul_(beta)
+            self.params.add(unit, step)
+            self.outer[unit] = self.outer[unit] + step
+            return
         target = snap + beta * diff
         g = self.outer[unit] - target  # pseudo-gradient
         m = self.momentum[unit].mul_(self.mu).add_(g)
@@ -215,7 +243,7 @@ class NoLoCoMerge(DiLoCoMerge):
         return payload[:n] - payload[n:]
 
     def merge(self, unit: int, snap: torch.Tensor, diff: torch.Tensor, beta: float,
-              remote: torch.Tensor | None = None) -> None:  # fmt: skip
+              remote: torch.Tensor | None = None, clipped: bool = False) -> None:  # fmt: skip
         if remote is None:
             raise ValueError("noloco merges need the partner's payload")
         n = snap.numel()

@@ -128,9 +128,11 @@ class GossipPeer:
         self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers)
         self.join_refusal: tuple[str, Rejected] | None = None  # who refused us, and why
         self.merge = make_merge(gcfg.strategy, params, gcfg)
+        guard = DiffGuard(gcfg.clip_factor, gcfg.reject_factor, gcfg.max_relative)
         self.selector = make_selector(
-            gcfg.selection, self.id, gcfg.explore, my_work=lambda: self.averager.work_s or 0.0
-        )
+            gcfg.selection, self.id, gcfg.explore, my_work=lambda: self.averager.work_s or 0.0,
+            trust=guard.trust,
+        )  # fmt: skip
         self._heartbeat_client = self._client(self.stop)
         self.averager = Averager(
             params,
@@ -148,7 +150,7 @@ class GossipPeer:
             self._on_reject,
             self.log,
             self.stop,
-            DiffGuard(gcfg.clip_factor, gcfg.reject_factor, gcfg.max_relative),
+            guard,
         )
         probe = min(gcfg.probe_kb * 1024, self.max_bytes // 2)
         self.membership = Membership(

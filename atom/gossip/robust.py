@@ -11,8 +11,8 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   (two independently initialised models differ by ~1.4x; 1e30 poison by ~1e29) is not
   merged; the sender is penalised, and a penalised peer is neither chosen nor served until
   its penalty ends.
-- **self-centred clipping** (ClippedGossip, He et al. 2022; BTARD's CenteredClip works the
-  same way), on by default (gossip.clip_factor 3): the difference `remote - mine` is
+- **self-centred clipping** (ClippedGossip, He et al. 2022; BTARD's CenteredClip works
+  the same way), on by default (gossip.clip_factor 3): the difference `remote - mine` is
   scaled down to at most `clip` times the scale of the *other* partners' differences on
   this unit: the lower median, over every other partner, of the size (relative to the
   unit's norm) of its latest difference. One poisoner among honest partners never sets
@@ -20,17 +20,22 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   beta x clip x (the honest partners' typical difference) per exchange. Before any other
   partner has been heard on a unit the scale is FIRST_SCALE (0.1 of the unit's norm):
   the first peer to arrive cannot take a unit whole (a sign-flipped model, right at
-  max_relative, zeroed a unit that way: 26% worse val loss for its victim). Honest peers
-  far apart (own inits, gossip.pull_state false) still meet: each judges the others by
-  partners that are as far, and every exchange moves both sides. Each side clips on its
-  own, so the group's mean is kept only roughly (clip_factor 0, plain averaging, keeps it
-  exactly). A partner clipped k exchanges in a row has its beta divided by 1 + k
-  (`trust`): a poisoner clipped every time fades out, an honest straggler is trusted
-  again once it has come close. Not done, measured: refusing and penalising a partner
-  clipped 8 times in a row without coming twice as close also penalised an honest peer
-  on disjoint data (its distance is an equilibrium, not shrinking) and cost that group
-  12% val loss. `gossip.reject_factor` (off by default) refuses, and penalises, a
-  difference beyond that multiple of the scale.
+  max_relative, zeroed a unit that way: 26% worse val loss for its victim); under an
+  outer optimizer it is the peer's own progress since its last outer step, at most that
+  (merge.DiLoCoMerge.first_scale). Honest peers far apart (own inits, gossip.pull_state
+  false) still meet: each judges the others by partners that are as far, and every
+  exchange moves both sides. Each side clips on its own, so the group's mean is kept
+  only roughly (clip_factor 0, plain averaging, keeps it exactly). A partner clipped k
+  exchanges in a row has its beta divided by 1 + k (`trust`): a poisoner clipped every
+  time fades out, an honest straggler is trusted again once it has come close (within
+  CLOSE x the scale; between that and the clip bound trust stays as it was). Trust also
+  divides the partner's chance to be chosen (selection.FlowSelector), and an outer
+  optimizer takes no outer step on a partner it distrusts (merge.DiLoCoMerge.merge). Not
+  done, measured: refusing and penalising a partner clipped 8 times in a row without
+  coming twice as close also penalised an honest peer on disjoint data (its distance is
+  an equilibrium, not shrinking) and cost that group 12% val loss.
+  `gossip.reject_factor` (off by default) refuses, and penalises, a difference beyond
+  that multiple of the scale.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def safe_beta(w_me: float, w_them: float) -> float:
 
 
 FIRST_SCALE = 0.1  # the scale of a unit no other partner has been heard on
+CLOSE = 1.5  # a partner within this multiple of the others' scale is trusted again
 
 
 class DiffGuard:
@@ -83,23 +89,27 @@ class DiffGuard:
         with self._lock:
             return 1.0 / (1 + self._streak.get(partner, 0))
 
-    def scale(self, unit: int, partner: str) -> float:
-        """The lower median of the other partners' latest sizes on `unit`."""
+    def scale(self, unit: int, partner: str, first: float = FIRST_SCALE) -> float:
+        """The lower median of the other partners' latest sizes on `unit`; `first` when
+        no other partner has been heard on it."""
         with self._lock:
             others = sorted(v for p, v in self._latest[unit].items() if p != partner)
         if not others:
-            return FIRST_SCALE
+            return first
         return max(others[(len(others) - 1) // 2], 1e-4)  # floored: equal units differ by 0
 
-    def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor, partner: str = "") -> float:
+    def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor, partner: str = "",
+              first: float = FIRST_SCALE) -> float:  # fmt: skip
         """Scale `diff` (remote - mine) in place to the allowed size; the relative size it
-        had. Raises Rejected("outlier") for one too far from the others' range."""
+        had. Raises Rejected("outlier") for one too far from the others' range. `first`:
+        the scale while no other partner has been heard on the unit (the caller may know
+        better than FIRST_SCALE: an outer optimizer, its own progress)."""
         # in float64: the squares of finite fp32 values (1e30) overflow fp32
         own = max(float(torch.linalg.vector_norm(mine, dtype=torch.float64)), 1e-12)
         size = float(torch.linalg.vector_norm(diff, dtype=torch.float64)) / own
         if not math.isfinite(size):
             raise Rejected("nonfinite", "the difference overflows")
-        typical = self.scale(unit, partner)
+        typical = self.scale(unit, partner, first)
         far = self.reject > 0 and size > self.reject * typical
         if size > self.max_relative or far:
             bound = (f"{self.reject:g} x the others' {typical:.3g}" if far
@@ -115,7 +125,14 @@ class DiffGuard:
         allowed = self.clip * typical if self.clip else size
         with self._lock:
             streak = self._streak.pop(partner, 0)
-            self._streak[partner] = streak + 1 if size > allowed else 0
+            if size > allowed:
+                streak += 1
+            elif size <= CLOSE * typical or not self.clip:
+                streak = 0  # it came close: trusted again
+            # in between it keeps the distrust it had: a random model within the bound of
+            # a unit where honest peers disagree much (an embedding on disjoint data) must
+            # not restore, in one exchange, the trust it lost on every other unit
+            self._streak[partner] = streak
             while len(self._streak) > 4 * self.partners:
                 self._streak.popitem(last=False)
         if size > allowed:

@@ -12,7 +12,10 @@ with a push-pull's two transfers,
 where c is each side's work per exchange (inflated by the partner's load, so a peer
 everyone likes does not become a hot spot), lat the one-way latency (rtt / 2, both
 ways) and bw both directions' measured bandwidth (ours, and the one j shares in its
-heartbeats). Partners are drawn with probability proportional to value / cost, and with
+heartbeats). A partner the robust merge had to clip k exchanges in a row has its value
+divided by 1 + k (its trust, atom/gossip/robust.py): the disagreement a poisoner shows is
+large by construction, and without this the drift would make it the favourite partner.
+Partners are drawn with probability proportional to value / cost, and with
 probability `explore` uniformly: fast links are used more, yet every peer keeps mixing
 with the whole group (ages grow without bound until chosen), so no peer starves and the
 group cannot split into cliques.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 from atom.gossip.membership import PeerState
 
@@ -54,12 +58,18 @@ class FlowSelector(Selector):
     name = "flow"
 
     def __init__(
-        self, me: str, explore: float = 0.1, rng: random.Random | None = None, my_work=None
+        self,
+        me: str,
+        explore: float = 0.1,
+        rng: random.Random | None = None,
+        my_work: Callable[[], float] | None = None,
+        trust: Callable[[str], float] | None = None,
     ):
         self.me = me
         self.explore = explore
         self.rng = rng or random.Random()
         self.my_work = my_work or (lambda: 0.0)  # seconds of our own work per exchange
+        self.trust = trust or (lambda pid: 1.0)  # 1 / (1 + exchanges in a row clipped)
 
     def cost(self, p: PeerState, unit_bytes: int, fallback_bw: float) -> float:
         back = p.their_links.get(self.me)
@@ -83,7 +93,7 @@ class FlowSelector(Selector):
         # measured drift is noisy (near consensus it is mostly training noise): let it tilt
         # the choice at most 4x either way, so no peer is starved by one lucky measurement
         drift = min(max(drift, fallback_drift / 4), fallback_drift * 4)
-        return max(drift, 1e-12) * max(age, 1e-3)
+        return max(drift, 1e-12) * max(age, 1e-3) * self.trust(p.id)
 
     def scores(self, candidates: list[PeerState], unit_bytes: int) -> list[float]:
         now = time.monotonic()
@@ -104,7 +114,7 @@ class FlowSelector(Selector):
         return self.rng.choices(candidates, weights=self.scores(candidates, unit_bytes))[0]
 
 
-def make_selector(kind: str, me: str, explore: float, my_work=None) -> Selector:
+def make_selector(kind: str, me: str, explore: float, my_work=None, trust=None) -> Selector:
     if kind == "random":
         return RandomSelector()
-    return FlowSelector(me, explore, my_work=my_work)
+    return FlowSelector(me, explore, my_work=my_work, trust=trust)
