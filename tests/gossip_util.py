@@ -45,8 +45,7 @@ PEER_ARGS = [
     "--set", "gossip.dead_after_s=1.5",
     "--set", "gossip.join_timeout_s=20",
     "--set", "gossip.interval_s=0.05",  # tiny model, short runs: mix often
-    # plain fp32 averaging (the default), whatever the defaults become: the tests of the
-    # outer optimizers say so
+    # plain fp32 averaging, exactly: the tests of the outer optimizer (the default) say so
     "--set", "gossip.strategy=gossip",
     "--set", "gossip.codec=fp32",
     "--no-progress",

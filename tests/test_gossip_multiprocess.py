@@ -44,7 +44,7 @@ def test_gossip_beats_isolation_on_disjoint_shards(tmp_path, strategy):
     see: gossip pulls their weights together (consensus distance falls far below where it
     started and far below isolated training), and at the same number of steps per peer
     every peer's model knows all three shards (lower loss on the union's val split).
-    Plain averaging, and the outer optimizer with int8 exchanges."""
+    Plain averaging, and the outer optimizer with int8 exchanges (the default)."""
     from atom.config import replace
     from atom.train import Trainer, build_engine
     from tests.conftest import tiny_config

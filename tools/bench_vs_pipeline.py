@@ -22,7 +22,7 @@
                shaped links; each peer its own data seed), SIGINT after --seconds, with
                the outer optimizer (diloco, H 30, int8: tools/baselines/settings.py
                ATOM_VARIANTS)
-     atom-avg  the same with plain fp32 averaging, the default (and what "atom" meant in
+     atom-avg  the same with plain fp32 averaging (the default, and what "atom" meant, in
                runs before 2026-11-25)
    All three train the same model from the same initial weights with the same AdamW,
    learning rate (constant after warm-up), clipping and tokens per step (peers x

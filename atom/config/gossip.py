@@ -71,12 +71,12 @@ class GossipConfig:
     advertise: str = ""  # endpoint others dial; default: listen (with a wildcard host resolved)
     group: str = "atom"  # name of an open (keyless) group; keyed groups are named by their key
     # gossip (pairwise averaging) | diloco (outer Nesterov step every diloco_steps) |
-    # noloco (the same, the pair's disagreement kept out of the momentum). Plain
-    # averaging stays the default: the outer optimizers send ~14x fewer bytes but are not
-    # yet robust to a poisoning member (docs/benchmarks.md "The outer optimizer")
-    strategy: str = "gossip"
+    # noloco (the same, the pair's disagreement kept out of the momentum). The default
+    # and why (14x fewer bytes, as robust to a poisoning member as plain averaging):
+    # docs/benchmarks.md "The outer optimizer"
+    strategy: str = "diloco"
     selection: str = "flow"  # flow (mixing per second) | random (uniform baseline)
-    codec: str = "fp32"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
+    codec: str = "int8"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
     interval_s: float = 0.2  # least time between the starts of two exchanges we initiate
     lanes: int = 2  # exchanges we start at once (different partners); 0: only answer others
     timeout_s: float = 10.0  # one exchange (request + reply) must finish within this
