@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from atom.gossip.merge import DiLoCoMerge
+from atom.gossip.merge import DiLoCoMerge, NoLoCoMerge
 from atom.gossip.net.wire import Rejected
 from atom.gossip.robust import DiffGuard, safe_beta
 from tests.test_gossip_peers import group, wait_until, weights  # noqa: F401 (fixture)
@@ -239,6 +239,17 @@ def test_an_outer_step_is_not_built_on_a_distrusted_partner():
     assert float(outer.momentum[0].abs().max()) == 0.0 and outer.due(0)
     outer.merge(0, p.snapshot(0), torch.zeros(4), beta=0.5)  # a trusted partner: outer step
     assert float(outer.momentum[0].abs().max()) > 0 and not outer.due(0)
+    # noloco's payload [outer weights; pseudo-gradient]: both move plainly, momentum kept
+    q = FakeParams([torch.zeros(4)])
+    split = NoLoCoMerge(q, inner_steps=2, lr=1.0, momentum=0.5, consensus=1.0)
+    split.step = 2
+    q.t[0] += 0.5
+    snap = q.snapshot(0)
+    theirs = torch.cat([torch.full((4,), 2.0), torch.full((4,), 1.0)])  # weights 1.0
+    split.merge(0, snap, split.weights_of(theirs, 4) - snap, 0.25, theirs, clipped=True)
+    assert torch.allclose(q.t[0], torch.full((4,), 0.625))  # 0.5 + 0.25 (1.0 - 0.5)
+    assert torch.allclose(split.outer[0], torch.full((4,), 0.5))  # 0 + 0.25 (2 - 0)
+    assert float(split.momentum[0].abs().max()) == 0.0 and split.due(0)
 
 
 def test_a_rollback_distrusts_the_peers_merged_since_the_checkpoint(group):  # noqa: F811

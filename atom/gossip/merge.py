@@ -248,6 +248,10 @@ class NoLoCoMerge(DiLoCoMerge):
             raise ValueError("noloco merges need the partner's payload")
         n = snap.numel()
         outer = self.outer[unit]
+        if clipped:  # as DiLoCo's: averaged in plainly, out of the momentum, still due
+            self.params.add(unit, diff.mul_(beta))
+            self.outer[unit] = outer + beta * (remote[:n] - outer)
+            return
         mine_d = outer - snap
         d = mine_d.add_(remote[n:] - mine_d, alpha=beta)  # the pair's pseudo-gradient
         m = self.momentum[unit].mul_(self.mu).add_(d)
