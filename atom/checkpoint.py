@@ -88,6 +88,7 @@ def save_checkpoint(
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():  # left by an earlier failed save in this same process
         shutil.rmtree(tmp)
+        _left_behind.discard(tmp)
     tmp.mkdir()
     try:
         file_info, owner = _write_files(tmp, files)
@@ -110,7 +111,7 @@ def save_checkpoint(
         raise
     _fsync_dir(root)  # make the rename itself durable
     if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
+        _discard(replaced)
     try:
         _prune(root, keep, final)
     except OSError as e:  # the checkpoint is safely written; a failed cleanup must not undo that
@@ -138,19 +139,25 @@ _SAVE_FIXES = {
 
 
 # refusals that say nothing about a file's content (a read can fail for them too)
-_SYSTEM_REFUSALS = (errno.EMFILE, errno.ENFILE)
+_READ_FIXES = {
+    errno.EMFILE: _SAVE_FIXES[errno.EMFILE],
+    errno.ENFILE: _SAVE_FIXES[errno.ENFILE],
+    errno.EACCES: "make the checkpoint readable by this user",
+    errno.ENOMEM: "free memory (the file is mapped to read it)",
+}
 _OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
 
 
-def _as_os_error(e: BaseException) -> OSError:
+def _as_os_error(e: BaseException) -> OSError | None:
     """safetensors' Rust core raises SafetensorError with the OS error only in its text
     ('I/O error: Too many open files (os error 24)'); an OSError with that errno lets a
-    caller tell a full disk or a file-handle shortage from a bad file."""
+    caller tell a full disk or a file-handle shortage from a bad file. None when the
+    error names no OS error (not an I/O failure: leave it as it is)."""
     if isinstance(e, OSError):
         return e
     found = _OS_ERROR_RE.search(str(e))
     if found is None:
-        return OSError(_one_line(e))
+        return None
     code = int(found.group(1))
     return OSError(code, os.strerror(code))
 
@@ -160,12 +167,12 @@ def _refusal_behind(e: BaseException, file: Path) -> OSError | None:
     failure to open as 'No such file or directory', so the file is opened again here to
     learn the real reason."""
     failed = _as_os_error(e)
-    if failed.errno in _SYSTEM_REFUSALS:
+    if failed is not None and failed.errno in _READ_FIXES:
         return failed
     try:
         os.close(os.open(file, os.O_RDONLY))
     except OSError as probe:
-        if probe.errno in _SYSTEM_REFUSALS:
+        if probe.errno in _READ_FIXES:
             return probe
     return None
 
@@ -219,7 +226,10 @@ def _write_files(
         try:
             save_file(prepared, str(path))
         except SafetensorError as e:  # the Rust writer's I/O errors are no OSError
-            raise _as_os_error(e) from e
+            failed = _as_os_error(e)
+            if failed is None:
+                raise
+            raise failed from e
         del prepared
         file_info[name] = _sync_and_hash(path)
     return file_info, owner
@@ -456,7 +466,7 @@ class Checkpoint:
             if failed is not None:  # the system said no: the file may well be fine
                 error = CheckpointError(
                     f"could not read {file} ({failed.strerror}); the checkpoint is intact; "
-                    f"{_SAVE_FIXES[failed.errno]}"
+                    f"{_READ_FIXES[failed.errno]}"
                 )
                 error.errno = failed.errno
                 raise error from e

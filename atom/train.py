@@ -36,12 +36,23 @@ SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
 
 def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     """(parameters, host bytes for model state): the profiler's account, so that the
-    refusal here and `atom profile`'s host-RAM column never disagree."""
+    refusal here and `atom profile`'s host-RAM column never disagree, plus, training with
+    peers under an outer optimizer, its outer weights and momentum (fp32, 8 bytes a
+    parameter; `atom profile` plans one machine and leaves them out)."""
     from profiler.analysis import ModelAnalysis
 
     a = ModelAnalysis.of(cfg)
     disk = cfg.swap.disk_dir is not None
-    return a.n_params, a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
+    need = a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
+    return a.n_params, need + outer_state_bytes(cfg, a.n_params)
+
+
+def outer_state_bytes(cfg: Config, n_params: int) -> int:
+    """Host RAM the gossip's outer optimizer keeps (atom/gossip/merge.py DiLoCoMerge)."""
+    from atom.gossip.merge import OUTER_DEFAULTS
+
+    peers = cfg.gossip.listen is not None
+    return 8 * n_params if peers and cfg.gossip.strategy in OUTER_DEFAULTS else 0
 
 
 def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
@@ -50,6 +61,13 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
 
     n_params, need = host_bytes_needed(cfg, dtype)
     available = psutil.virtual_memory().available
+    outer_bytes = outer_state_bytes(cfg, n_params)
+    outer = (
+        f" (of which {outer_bytes / 2**30:.1f} GiB the outer optimizer's, gossip.strategy "
+        f"{cfg.gossip.strategy}; plain averaging, gossip.strategy gossip, needs none)"
+        if outer_bytes
+        else ""
+    )
     if need > available:
         fix = "choose a smaller model or add RAM"
         for sets, what in (
@@ -70,8 +88,8 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
         raise ConfigError(
             f"this model ({n_params / 1e9:.2f}B parameters, swap.state={cfg.swap.state}"
             f"{', NVMe tier' if cfg.swap.disk_dir else ''}) needs "
-            f"{need / 2**30:.1f} GiB of host RAM for weights, gradients and optimizer state, "
-            f"but only {available / 2**30:.1f} GiB is available; {fix}"
+            f"{need / 2**30:.1f} GiB of host RAM for weights, gradients and optimizer state"
+            f"{outer}, but only {available / 2**30:.1f} GiB is available; {fix}"
         )
     return need
 

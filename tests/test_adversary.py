@@ -205,21 +205,34 @@ def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):
         assert gu.params(run)  # the newest checkpoint loads
 
 
+# strategy -> (--set arguments of the honest peers, the bound on poisoned / clean val loss)
+POISONED_GROUPS = {
+    "plain": ((), 1.10),
+    # clean runs of the outer optimizer differ by up to ~6% here (a unit mixes every ~25
+    # steps); before its robust outer step a random model cost 1.08-1.92x, 7 runs of 9
+    # above 1.15 (docs/benchmarks.md "A poisoning member under the outer optimizer")
+    "outer": (("--set", "gossip.strategy=diloco", "--set", "gossip.codec=int8"), 1.15),
+}
+
+
 @pytest.mark.slow
-def test_one_poisoning_member_among_four_costs_the_honest_little(tmp_path):
+@pytest.mark.parametrize("strategy", list(POISONED_GROUPS))
+def test_one_poisoning_member_among_four_costs_the_honest_little(tmp_path, strategy):
     """3 honest peers on disjoint shards, with and without a 4th member that sends a
     random model of the same norm in place of its weights and claims an averaging weight
     of 1e18: no checkpoint of the honest holds a value not finite or beyond 1e6, and their
-    mean val loss (on all shards) stays close to the clean run's. The bound here is 10%:
-    two clean runs differ by up to 3% (asynchronous mixing), so one pair cannot show 5%
-    reliably; tools/bench_attacks.py repeats it, with the other poisons (sign-flipped,
-    1e30), for the 5% target (docs/benchmarks.md). Unguarded, this poison ruins them."""
+    mean val loss (on all shards) stays close to the clean run's. The bound here is 10%
+    (15% for the outer optimizer): two clean runs differ by up to 3% (6%), so one pair
+    cannot show 5% reliably; tools/bench_attacks.py repeats it, with the other poisons
+    (sign-flipped, 1e30), for the 5% target (docs/benchmarks.md). Unguarded, this poison
+    ruins them."""
     from tests.adversary import honest_group
 
+    honest, bound = POISONED_GROUPS[strategy]
     (tmp_path / "clean").mkdir()
     (tmp_path / "poisoned").mkdir()
-    clean = honest_group(tmp_path / "clean", 150, None)
-    poisoned = honest_group(tmp_path / "poisoned", 150, "random")
+    clean = honest_group(tmp_path / "clean", 150, None, honest)
+    poisoned = honest_group(tmp_path / "poisoned", 150, "random", honest)
     assert clean["codes"] == poisoned["codes"] == [0, 0, 0]
     assert poisoned["finite"] and poisoned["max_abs_weight"] < 1e6
-    assert poisoned["mean_val_loss"] < 1.10 * clean["mean_val_loss"], (clean, poisoned)
+    assert poisoned["mean_val_loss"] < bound * clean["mean_val_loss"], (clean, poisoned)

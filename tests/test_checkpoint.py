@@ -535,3 +535,19 @@ def test_out_of_open_files_is_a_system_refusal_not_a_traceback_or_corruption(
     assert "corrupt" not in out["read"][1] and "intact" in out["read"][1]
     assert out["after"] == 8.0
     assert out["left"] == ["step_00000001", "step_00000003"]  # no half checkpoint, no temp
+
+
+def test_a_writer_error_that_is_no_io_failure_is_not_called_a_disk_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors import SafetensorError
+
+    save_checkpoint(tmp_path, 1, _simple(1), {})
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: a dtype it does not know")
+
+    monkeypatch.setattr(ckpt_mod, "save_file", refuse)
+    with pytest.raises(SafetensorError, match="dtype it does not know"):
+        save_checkpoint(tmp_path, 2, _simple(2), {})
+    assert _steps(tmp_path) == [1] and _tmp_dirs(tmp_path) == []

@@ -122,7 +122,7 @@ def test_lossy_codecs_converge(group, codec):
 
 def test_diloco_outer_steps_mix_the_peers(group):
     # the outer step's arithmetic, exactly: plain averaging (two own inits 1.4x apart would
-    # be clipped to FIRST_SCALE, robust.py, and take several outer steps to meet)
+    # be clipped to the first scale, robust.py, and take several outer steps to meet)
     d = {"strategy": "diloco", "diloco_steps": 2, "outer_lr": 1.0, "outer_momentum": 0.0,
          "clip_factor": 0.0}  # fmt: skip
     a = group("a", seed=1, **d)
@@ -148,13 +148,20 @@ def test_noloco_outer_steps_mix_the_peers(group, codec):
     assert a.counters.get("exchange.ok") + b.counters.get("exchange.ok") > 0
 
 
-def test_a_peer_of_another_strategy_is_refused_not_penalised(group):
+def test_a_peer_of_another_strategy_is_refused_not_penalised(group, caplog):
+    """... and the refused side says so once, in a warning that names both strategies."""
+    import logging
+
     a = group("a", seed=1, strategy="noloco", diloco_steps=1)
-    b = group("b", seed=2, join=a.endpoint)  # plain averaging
-    wait_until(lambda: b.counters.get("exchange.refused") + a.counters.get("exchange.refused")
-               > 0, 10, "a refused exchange")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="atom.gossip"):
+        b = group("b", seed=2, join=a.endpoint)  # plain averaging
+        wait_until(lambda: b.counters.get("exchange.refused")
+                   + a.counters.get("exchange.refused") > 2, 10, "refused exchanges")  # fmt: skip
     assert not a.table.penalised("b") and not b.table.penalised("a")
     assert a.counters.get("exchange.ok") == b.counters.get("exchange.ok") == 0
+    told = [r.getMessage() for r in caplog.records if "refuses our exchanges" in r.getMessage()]
+    assert told and all("gossip.strategy matches" in m for m in told)
+    assert len(told) == len(set(m.split()[0] for m in told)) <= 2  # once per partner
 
 
 def raw_client(ctx, endpoint):

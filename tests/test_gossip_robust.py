@@ -84,8 +84,22 @@ def test_an_outer_optimizer_judges_the_first_voice_by_its_own_progress():
     poison *= 0.5 * float(snap.norm()) / float(poison.norm())  # half the unit's norm
     guard.admit(0, snap, poison, "p", outer.first_scale(0, snap))
     assert _size(poison, snap) == pytest.approx(3 * moved, rel=1e-5)
+    outer.merge(0, snap, torch.zeros(100), beta=0.5)  # an outer step: moved ~0 since
+    assert outer.first_scale(0, p.snapshot(0)) == pytest.approx(moved, rel=1e-6)  # period
     p.t[0] += 1.0  # far more than an outer step: capped where plain averaging starts
     assert outer.first_scale(0, p.snapshot(0)) == FIRST_SCALE
+
+
+def test_in_a_group_of_two_the_clip_bound_is_all_there_is():
+    """With no other partner to judge by, a partner within the clip bound is trusted
+    again at once: two honest peers must not hold each other's distrust for good."""
+    guard = DiffGuard(clip=3.0)
+    mine = torch.ones(100)
+    for _ in range(3):
+        guard.admit(0, mine, torch.full((100,), 0.5), "b", first=0.02)  # clipped
+    assert guard.trust("b") == pytest.approx(1 / 4)
+    guard.admit(0, mine, torch.full((100,), 0.05), "b", first=0.02)  # 2.5x: within 3x
+    assert guard.trust("b") == 1.0
 
 
 def test_huge_finite_poison_with_a_huge_weight_is_refused_and_its_sender_unserved(group):  # noqa: F811
@@ -124,7 +138,14 @@ def test_a_joiner_refuses_a_group_past_its_own_end(group, text_dataset, tmp_path
 
     a = group("a", seed=1, interval_s=60.0)
     a.after_step(10**12)
-    gossip = {"listen": "tcp://127.0.0.1:0", "join": a.endpoint, "name": "b", **FAST}
+    gossip = {
+        "listen": "tcp://127.0.0.1:0",
+        "join": a.endpoint,
+        "name": "b",
+        **FAST,
+        "strategy": "gossip",
+        "codec": "fp32",
+    }  # a's: the group fixture's
     cfg = tiny_config(train={"data": str(text_dataset), "max_steps": 5}, gossip=gossip)
     with pytest.raises(ConfigError, match=r"the group is at step 1000000000000, at or "
                                           r"past this run's train.max_steps \(5\)"):  # fmt: skip
@@ -225,31 +246,42 @@ def test_a_partner_clipped_again_and_again_fades_out():
 def test_an_outer_step_is_not_built_on_a_distrusted_partner():
     """An exchange with a partner the robust merge shrank lately is averaged in plainly:
     weights and outer weights move alike, the momentum does not take it (it would carry
-    it on over the next outer steps), and the unit stays due for another partner."""
+    it on over the next outer steps), and the unit comes due again in H / 4 steps (soon,
+    for another partner, but not at the gossip's full rate)."""
     from tests.test_gossip_wire import FakeParams
 
     p = FakeParams([torch.zeros(4)])
-    outer = DiLoCoMerge(p, inner_steps=2, lr=1.0, momentum=0.5)
-    outer.step = 2
+    outer = DiLoCoMerge(p, inner_steps=4, lr=1.0, momentum=0.5)
+    outer.step = 4
     p.t[0] += 0.5  # inner progress
     snap = p.snapshot(0)
     outer.merge(0, snap, torch.full((4,), 1.0), beta=0.25, clipped=True)
     assert torch.allclose(p.t[0], torch.full((4,), 0.75))
     assert torch.allclose(outer.outer[0], torch.full((4,), 0.25))  # progress kept apart
-    assert float(outer.momentum[0].abs().max()) == 0.0 and outer.due(0)
+    assert float(outer.momentum[0].abs().max()) == 0.0 and not outer.due(0)
+    outer.step = 5  # H / 4 later
+    assert outer.due(0)
     outer.merge(0, p.snapshot(0), torch.zeros(4), beta=0.5)  # a trusted partner: outer step
     assert float(outer.momentum[0].abs().max()) > 0 and not outer.due(0)
-    # noloco's payload [outer weights; pseudo-gradient]: both move plainly, momentum kept
+    # noloco's payload [outer weights; pseudo-gradient d = outer - x]: weights and outer
+    # weights move alike, so our own d, which a later outer step feeds the momentum, is
+    # untouched by the distrusted partner's
     q = FakeParams([torch.zeros(4)])
     split = NoLoCoMerge(q, inner_steps=2, lr=1.0, momentum=0.5, consensus=1.0)
     split.step = 2
-    q.t[0] += 0.5
+    q.t[0] += 0.5  # our d: -0.5
     snap = q.snapshot(0)
-    theirs = torch.cat([torch.full((4,), 2.0), torch.full((4,), 1.0)])  # weights 1.0
+    theirs = torch.cat([torch.full((4,), 2.0), torch.full((4,), 9.0)])  # d 9: absurd
     split.merge(0, snap, split.weights_of(theirs, 4) - snap, 0.25, theirs, clipped=True)
-    assert torch.allclose(q.t[0], torch.full((4,), 0.625))  # 0.5 + 0.25 (1.0 - 0.5)
-    assert torch.allclose(split.outer[0], torch.full((4,), 0.5))  # 0 + 0.25 (2 - 0)
-    assert float(split.momentum[0].abs().max()) == 0.0 and split.due(0)
+    assert torch.allclose(q.t[0], torch.full((4,), 0.5 + 0.25 * (-7.0 - 0.5)))
+    assert torch.allclose(split.outer[0] - q.t[0], torch.full((4,), -0.5))  # d as it was
+    assert float(split.momentum[0].abs().max()) == 0.0
+    split.step = 4
+    snap = q.snapshot(0)
+    honest = torch.cat([snap, torch.zeros(4)])  # where we are, and no progress of its own
+    split.merge(0, snap, split.weights_of(honest, 4) - snap, 0.5, honest)
+    # the momentum holds the pair's mean pseudo-gradient: (-0.5 + 0) / 2, nothing of 9
+    assert torch.allclose(split.momentum[0], torch.full((4,), -0.25))
 
 
 def test_a_rollback_distrusts_the_peers_merged_since_the_checkpoint(group):  # noqa: F811

@@ -352,6 +352,28 @@ def test_train_refusal_names_compact_state_when_it_would_fit(monkeypatch):
     assert train.check_host_memory(compact_cfg, torch.bfloat16) == compact
 
 
+def test_train_counts_the_outer_optimizers_state_with_peers(monkeypatch):
+    """Training with peers under an outer optimizer (the default strategy) keeps its outer
+    weights and momentum in host RAM too: 8 bytes a parameter more, named in the refusal;
+    plain averaging and training alone need none."""
+    from types import SimpleNamespace
+
+    import atom.train as train
+
+    cfg = tiny_config()
+    alone = train.host_bytes_needed(cfg, torch.float32)[1]
+    peers = replace(cfg, gossip={"listen": "tcp://127.0.0.1:0"})
+    n_params, with_outer = train.host_bytes_needed(peers, torch.float32)
+    assert with_outer == alone + 8 * n_params
+    plain = replace(peers, gossip={"strategy": "gossip"})
+    assert train.host_bytes_needed(plain, torch.float32)[1] == alone
+    room = SimpleNamespace(available=(alone + with_outer) // 2)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: room)
+    assert train.check_host_memory(cfg, torch.float32) == alone
+    with pytest.raises(ConfigError, match="outer optimizer's, gossip.strategy diloco"):
+        train.check_host_memory(peers, torch.float32)
+
+
 def test_train_refusal_is_about_ram_whatever_else_the_config_rules_out(monkeypatch):
     """A leaner setting the config does not allow (compact with DeepSpeed's optimizer) is
     skipped, not raised in place of the RAM message."""

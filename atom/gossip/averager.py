@@ -40,6 +40,7 @@ from atom.gossip.robust import DiffGuard, safe_beta
 from atom.gossip.selection import Selector
 
 MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
+STRATEGY_NACK = "this peer's strategy is"
 
 
 class GossipError(ConfigError):
@@ -81,6 +82,7 @@ class Averager:
         self._next = 0
         self._next_start = 0.0  # the lanes share one start rate: interval_s
         self._served: collections.deque[float] = collections.deque(maxlen=256)
+        self._warned: set[str] = set()  # partners told of a strategy mismatch
         self.guard = guard or DiffGuard()  # refuses (or clips) what a bad peer sends
         self._threads: list[threading.Thread] = []
         self._local = threading.local()
@@ -207,6 +209,7 @@ class Averager:
         rh = reply.header
         if rh["from"] != partner.id or rh["kind"] in ("busy", "nack"):
             self.counters.inc(f"exchange.{'busy' if rh['kind'] == 'busy' else 'refused'}")
+            self._warn_strategy(partner.id, rh)
             (self.table.busy if rh["kind"] == "busy" else self.table.failed)(partner.id)
             return False
         t1 = time.monotonic()
@@ -242,6 +245,21 @@ class Averager:
         self.counters.inc("exchange.bytes", nbytes + reply.nbytes)
         return True
 
+    def _warn_strategy(self, pid: str, reply: dict) -> None:
+        """Once per partner: a member of another strategy refuses every exchange (the
+        default changed from plain averaging to the outer optimizer on 2026-11-26), which
+        otherwise shows only as a counter."""
+        reason = str(reply.get("reason", ""))
+        if reply["kind"] != "nack" or not reason.startswith(STRATEGY_NACK):
+            return
+        with self._busy_lock:
+            if pid in self._warned or len(self._warned) > 1024:
+                return
+            self._warned.add(pid)
+        self.log.warning("%s refuses our exchanges: %s, ours is %s; no mixing with it "
+                         "until gossip.strategy matches across the group", pid, reason,
+                         self.merge.name)  # fmt: skip
+
     def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
                sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
         """(diff = their weights - ours; their payload (None when it is the weights: diff
@@ -250,7 +268,7 @@ class Averager:
         judged, not only the weights it implies: noloco's outer weights and pseudo-gradient
         could each be huge and still imply harmless weights."""
         pdiff = remote.sub_(mine)  # no copy: the payload itself is not needed again
-        first = self.merge.first_scale(unit, snap)
+        first = lambda: self.merge.first_scale(unit, snap)  # noqa: E731  (only when needed)
         if self.merge.payload_kind == "weights":
             self.guard.admit(unit, snap, pdiff, sender, first)  # clipped in place, or refused
             # after the clip: what this exchange could remove (the selector's drift)
@@ -276,7 +294,7 @@ class Averager:
         kind = self.merge.payload_kind
         if h.get("payload", "weights") != kind:  # a group of mixed strategies: not its fault
             self.counters.inc("served.refused")
-            return _refuse(base, "nack", f"this peer's strategy is {self.merge.name}")
+            return _refuse(base, "nack", f"{STRATEGY_NACK} {self.merge.name}")
         if not self._claim(unit):
             self.counters.inc("served.busy")
             return _refuse(base, "busy", "unit in another exchange", unit)

@@ -30,6 +30,9 @@ exchange was on the wire are kept, not overwritten.
 An exchange's payload is the unit's weights (gossip, diloco) or [phi; d] (noloco):
 `payload()` makes ours, `weights_of()` reads a partner's weights out of theirs. The robust
 merge judges the whole payload's difference from ours (atom/gossip/averager.py `_judge`).
+Under diloco and noloco an exchange with a partner the robust merge distrusts (trust
+below 1, atom/gossip/robust.py) is no outer step: it is averaged in plainly, weights and
+outer weights alike, out of the momentum, and the unit comes due again in H / 4 steps.
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ class DiLoCoMerge(GossipMerge):
         self.outer: dict[int, torch.Tensor] = {}
         self.momentum: dict[int, torch.Tensor] = {}
         self.last_outer_step: dict[int, int] = {}
+        # how far the unit had moved (relative to its norm) when it took its last outer
+        # step: what an H-step period of training moves it (first_scale)
+        self.period_move: dict[int, float] = {}
         self.step = 0  # the trainer's step, set by the peer after every optimizer step
         self.reset()
 
@@ -147,19 +153,43 @@ class DiLoCoMerge(GossipMerge):
             self.outer[u] = self.params.snapshot(u)
             self.momentum[u] = torch.zeros_like(self.outer[u])
             self.last_outer_step[u] = self.step - self.inner_steps * k // len(units)
+            self.period_move[u] = 0.0
 
     def due(self, unit: int) -> bool:
         return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
 
     def first_scale(self, unit: int, snap: torch.Tensor) -> float:
-        """How far this peer moved the unit since its last outer step (relative to its
-        norm), floored at FIRST_FLOOR, at most FIRST_SCALE: an honest partner differs by
-        about as much (it made as many steps from a nearby outer point), while 10% of the
-        norm let a poisoner arriving first on a unit, as it does every H steps with the
-        outer schedule, move it far more than an outer step does."""
+        """How far this peer moves the unit in a period of H steps (relative to its norm:
+        since its last outer step, or over the period before it, whichever is more),
+        floored at FIRST_FLOOR, at most FIRST_SCALE: an honest partner differs by about
+        as much (it made as many steps from a nearby outer point), while 10% of the norm
+        let a poisoner arriving first on a unit, as it does every H steps with the outer
+        schedule, move it far more than an outer step does. The period before counts so
+        that a peer that just took an outer step does not judge the next partner by the
+        few steps since (in a group of two, every partner is a first voice)."""
+        moved = self._moved(unit, snap)
+        return min(FIRST_SCALE, max(moved, self.period_move.get(unit, 0.0), FIRST_FLOOR))
+
+    def _moved(self, unit: int, snap: torch.Tensor) -> float:
         own = max(float(torch.linalg.vector_norm(snap, dtype=torch.float64)), 1e-12)
-        moved = float(torch.linalg.vector_norm(self.outer[unit] - snap, dtype=torch.float64))
-        return min(FIRST_SCALE, max(moved / own, FIRST_FLOOR))
+        return float(torch.linalg.vector_norm(self.outer[unit] - snap, dtype=torch.float64)) / own
+
+    def _not_an_outer_step(self, unit: int, step: torch.Tensor) -> None:
+        """A partner the robust merge shrank lately: `step` (beta x its difference) is
+        averaged in plainly, weights and outer weights alike (the local progress between
+        them unchanged), and kept out of the momentum, which would carry it on for several
+        outer steps. The unit comes due again in H / 4 steps, for another partner most
+        likely: soon, yet not at the gossip's full rate while every partner is distrusted."""
+        self.params.add(unit, step)
+        self.outer[unit] = self.outer[unit] + step
+        retry = self.step - self.inner_steps + max(1, self.inner_steps // 4)
+        self.last_outer_step[unit] = max(self.last_outer_step.get(unit, retry), retry)
+
+    def _outer_step_taken(self, unit: int, snap: torch.Tensor, new_outer: torch.Tensor) -> None:
+        self.period_move[unit] = self._moved(unit, snap)
+        self.params.add(unit, new_outer - snap)
+        self.outer[unit] = new_outer
+        self.last_outer_step[unit] = self.step
 
     def adopt(self, unit: int, outer: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
         """A joiner takes a member's outer state for a unit (after reset())."""
@@ -203,21 +233,12 @@ class DiLoCoMerge(GossipMerge):
               remote: torch.Tensor | None = None, clipped: bool = False) -> None:  # fmt: skip
         # called with the unit claimed by exactly one exchange, so its state is ours
         if clipped:
-            # not an outer step: a partner the robust merge shrank lately is averaged in
-            # plainly (weights and outer weights alike, at its reduced beta) and kept out
-            # of the momentum, which would carry it on for several outer steps; the unit
-            # stays due, so its next exchange, likely with another partner, comes soon
-            step = diff.mul_(beta)
-            self.params.add(unit, step)
-            self.outer[unit] = self.outer[unit] + step
+            self._not_an_outer_step(unit, diff.mul_(beta))
             return
         target = snap + beta * diff
         g = self.outer[unit] - target  # pseudo-gradient
         m = self.momentum[unit].mul_(self.mu).add_(g)
-        new_outer = self.outer[unit] - self.lr * (g + self.mu * m)
-        self.params.add(unit, new_outer - snap)
-        self.outer[unit] = new_outer
-        self.last_outer_step[unit] = self.step
+        self._outer_step_taken(unit, snap, self.outer[unit] - self.lr * (g + self.mu * m))
 
 
 class NoLoCoMerge(DiLoCoMerge):
@@ -248,18 +269,15 @@ class NoLoCoMerge(DiLoCoMerge):
             raise ValueError("noloco merges need the partner's payload")
         n = snap.numel()
         outer = self.outer[unit]
-        if clipped:  # as DiLoCo's: averaged in plainly, out of the momentum, still due
-            self.params.add(unit, diff.mul_(beta))
-            self.outer[unit] = outer + beta * (remote[:n] - outer)
+        if clipped:  # as DiLoCo's: its pseudo-gradient must not reach our momentum later
+            self._not_an_outer_step(unit, diff.mul_(beta))
             return
         mine_d = outer - snap
         d = mine_d.add_(remote[n:] - mine_d, alpha=beta)  # the pair's pseudo-gradient
         m = self.momentum[unit].mul_(self.mu).add_(d)
         new_outer = outer - self.lr * (d + self.mu * m)
         new_outer.add_(remote[:n] - outer, alpha=self.gamma * beta)
-        self.params.add(unit, new_outer - snap)
-        self.outer[unit] = new_outer
-        self.last_outer_step[unit] = self.step
+        self._outer_step_taken(unit, snap, new_outer)
 
 
 # outer learning rate and momentum when the config leaves them unset, per strategy.

@@ -26,9 +26,10 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   false) still meet: each judges the others by partners that are as far, and every
   exchange moves both sides. Each side clips on its own, so the group's mean is kept
   only roughly (clip_factor 0, plain averaging, keeps it exactly). A partner clipped k
-  exchanges in a row has its beta divided by 1 + k (`trust`): a poisoner clipped every
-  time fades out, an honest straggler is trusted again once it has come close (within
-  CLOSE x the scale; between that and the clip bound trust stays as it was). Trust also
+  exchanges since it last came close has its beta divided by 1 + k (`trust`): a
+  poisoner clipped every time fades out, an honest straggler is trusted again once it
+  has come close (within CLOSE x the scale; between that and the clip bound trust stays
+  as it was, except on a unit no other partner was heard on). Trust also
   divides the partner's chance to be chosen (selection.FlowSelector), and an outer
   optimizer takes no outer step on a partner it distrusts (merge.DiLoCoMerge.merge). Not
   done, measured: refusing and penalising a partner clipped 8 times in a row without
@@ -43,6 +44,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -56,6 +58,7 @@ def safe_beta(w_me: float, w_them: float) -> float:
 
 
 FIRST_SCALE = 0.1  # the scale of a unit no other partner has been heard on
+Scale = float | Callable[[], float]
 CLOSE = 1.5  # a partner within this multiple of the others' scale is trusted again
 
 
@@ -77,39 +80,44 @@ class DiffGuard:
         self._latest: dict[int, collections.OrderedDict[str, float]] = collections.defaultdict(
             collections.OrderedDict
         )
-        # partner -> exchanges in a row it had to be clipped (any unit): its trust
+        # partner -> exchanges it had to be clipped since it last came close (any unit)
         self._streak: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def trust(self, partner: str) -> float:
-        """What a partner's beta is multiplied by: 1 / (1 + exchanges in a row clipped).
-        A poisoner is clipped every time and fades out (a random-direction one cost its
-        victims 12% val loss without this); an honest peer that started far is clipped
-        while it approaches, then trusted again."""
+        """What a partner's beta is multiplied by: 1 / (1 + k), k its clipped exchanges
+        since it last came close. A poisoner is clipped every time and fades out (a
+        random-direction one cost its victims 12% val loss without this); an honest peer
+        that started far is clipped while it approaches, then trusted again."""
         with self._lock:
             return 1.0 / (1 + self._streak.get(partner, 0))
 
-    def scale(self, unit: int, partner: str, first: float = FIRST_SCALE) -> float:
+    def scale(self, unit: int, partner: str, first: Scale = FIRST_SCALE) -> float:
         """The lower median of the other partners' latest sizes on `unit`; `first` when
         no other partner has been heard on it."""
+        return self._scale(unit, partner, first)[0]
+
+    def _scale(self, unit: int, partner: str, first: Scale) -> tuple[float, bool]:
+        """(the scale, whether other partners set it)."""
         with self._lock:
             others = sorted(v for p, v in self._latest[unit].items() if p != partner)
         if not others:
-            return first
-        return max(others[(len(others) - 1) // 2], 1e-4)  # floored: equal units differ by 0
+            return (first() if callable(first) else first), False
+        return max(others[(len(others) - 1) // 2], 1e-4), True  # floored: equal units differ
 
     def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor, partner: str = "",
-              first: float = FIRST_SCALE) -> float:  # fmt: skip
+              first: Scale = FIRST_SCALE) -> float:  # fmt: skip
         """Scale `diff` (remote - mine) in place to the allowed size; the relative size it
         had. Raises Rejected("outlier") for one too far from the others' range. `first`:
         the scale while no other partner has been heard on the unit (the caller may know
-        better than FIRST_SCALE: an outer optimizer, its own progress)."""
+        better than FIRST_SCALE: an outer optimizer, its own progress), or a function
+        that gives it (called only then)."""
         # in float64: the squares of finite fp32 values (1e30) overflow fp32
         own = max(float(torch.linalg.vector_norm(mine, dtype=torch.float64)), 1e-12)
         size = float(torch.linalg.vector_norm(diff, dtype=torch.float64)) / own
         if not math.isfinite(size):
             raise Rejected("nonfinite", "the difference overflows")
-        typical = self.scale(unit, partner, first)
+        typical, by_others = self._scale(unit, partner, first)
         far = self.reject > 0 and size > self.reject * typical
         if size > self.max_relative or far:
             bound = (f"{self.reject:g} x the others' {typical:.3g}" if far
@@ -127,11 +135,13 @@ class DiffGuard:
             streak = self._streak.pop(partner, 0)
             if size > allowed:
                 streak += 1
-            elif size <= CLOSE * typical or not self.clip:
+            elif size <= CLOSE * typical or not self.clip or not by_others:
                 streak = 0  # it came close: trusted again
             # in between it keeps the distrust it had: a random model within the bound of
             # a unit where honest peers disagree much (an embedding on disjoint data) must
-            # not restore, in one exchange, the trust it lost on every other unit
+            # not restore, in one exchange, the trust it lost on every other unit. Judged
+            # by no other partner (a group of two) the bound is all there is: two honest
+            # peers must not hold each other's distrust for good
             self._streak[partner] = streak
             while len(self._streak) > 4 * self.partners:
                 self._streak.popitem(last=False)

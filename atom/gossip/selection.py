@@ -12,9 +12,10 @@ with a push-pull's two transfers,
 where c is each side's work per exchange (inflated by the partner's load, so a peer
 everyone likes does not become a hot spot), lat the one-way latency (rtt / 2, both
 ways) and bw both directions' measured bandwidth (ours, and the one j shares in its
-heartbeats). A partner the robust merge had to clip k exchanges in a row has its value
-divided by 1 + k (its trust, atom/gossip/robust.py): the disagreement a poisoner shows is
-large by construction, and without this the drift would make it the favourite partner.
+heartbeats). A partner the robust merge clipped k times since it last came close has
+its value divided by 1 + k (its trust, atom/gossip/robust.py): the disagreement a
+poisoner shows is large by construction, and without this the drift would make it the
+favourite partner.
 Partners are drawn with probability proportional to value / cost, and with
 probability `explore` uniformly: fast links are used more, yet every peer keeps mixing
 with the whole group (ages grow without bound until chosen), so no peer starves and the
@@ -69,7 +70,7 @@ class FlowSelector(Selector):
         self.explore = explore
         self.rng = rng or random.Random()
         self.my_work = my_work or (lambda: 0.0)  # seconds of our own work per exchange
-        self.trust = trust or (lambda pid: 1.0)  # 1 / (1 + exchanges in a row clipped)
+        self.trust = trust or (lambda pid: 1.0)  # robust.DiffGuard.trust: 1 / (1 + k)
 
     def cost(self, p: PeerState, unit_bytes: int, fallback_bw: float) -> float:
         back = p.their_links.get(self.me)
