@@ -312,6 +312,9 @@ class Averager:
         except BaseException:
             self._release(unit)
             raise
+        # read with the judgement, not after the reply: another exchange with the same
+        # partner may be judged meanwhile
+        trust = self.guard.trust(h["from"])  # below 1: clipped lately (not to build on)
         w_me, w_them = self.weight(), h["weight"]
         base.update(
             unit=unit, codec=codec.name, weight=w_me, tensors=metas, delta=codec.name == "int8"
@@ -322,7 +325,6 @@ class Averager:
 
         def apply() -> None:  # after the reply is on its way: merging is off the critical path
             try:
-                trust = self.guard.trust(h["from"])  # below 1: clipped lately (not to build on)
                 beta = safe_beta(w_me, w_them) * trust
                 self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
                 self.table.served_exchange(h["from"])
