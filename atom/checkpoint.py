@@ -470,6 +470,13 @@ class Checkpoint:
                 )
                 error.errno = failed.errno
                 raise error from e
+            if isinstance(e, FileNotFoundError) and file.is_file():
+                # safe_open's word for any failure to open, and the file is there: a
+                # refusal that passed before our probe, not a reason to delete a checkpoint
+                raise CheckpointError(
+                    f"could not open {file} (it is there: {_one_line(e)}); the checkpoint is "
+                    "not known to be damaged; try again"
+                ) from e
             raise _corrupt(self.path, f"cannot read {file.name} ({_one_line(e)})") from e
 
 

@@ -551,3 +551,24 @@ def test_a_writer_error_that_is_no_io_failure_is_not_called_a_disk_problem(
     with pytest.raises(SafetensorError, match="dtype it does not know"):
         save_checkpoint(tmp_path, 2, _simple(2), {})
     assert _steps(tmp_path) == [1] and _tmp_dirs(tmp_path) == []
+
+
+def test_a_file_that_is_there_but_would_not_open_is_not_called_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safe_open calls every failure to open 'No such file or directory'; when the file is
+    there and opens again by the time we look (a handle shortage that just ended), the
+    checkpoint is not declared corrupt (whose advice is to delete it)."""
+    save_checkpoint(tmp_path, 1, _simple(1), {})
+    ckpt = load_checkpoint(tmp_path)
+
+    def not_now(path, **kwargs):
+        raise FileNotFoundError(f"No such file or directory: {path!r}")
+
+    monkeypatch.setattr(ckpt_mod, "safe_open", not_now)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.get("a.w")
+    assert "corrupt" not in str(err.value) and "try again" in str(err.value)
+    (ckpt.path / "a.safetensors").unlink()  # really gone: that is damage
+    with pytest.raises(CheckpointError, match="corrupt"):
+        ckpt.get("a.w")
