@@ -21,16 +21,16 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   partner has been heard on a unit the scale is FIRST_SCALE (0.1 of the unit's norm):
   the first peer to arrive cannot take a unit whole (a sign-flipped model, right at
   max_relative, zeroed a unit that way: 26% worse val loss for its victim); under an
-  outer optimizer it is the peer's own progress since its last outer step, at most that
-  (merge.DiLoCoMerge.first_scale). Honest peers far apart (own inits, gossip.pull_state
-  false) still meet: each judges the others by partners that are as far, and every
-  exchange moves both sides. Each side clips on its own, so the group's mean is kept
-  only roughly (clip_factor 0, plain averaging, keeps it exactly). A partner clipped k
-  exchanges since it last came close has its beta divided by 1 + k (`trust`): a
-  poisoner clipped every time fades out, an honest straggler is trusted again once it
-  has come close (within CLOSE x the scale; between that and the clip bound trust stays
-  as it was, except on a unit no other partner was heard on). Trust also
-  divides the partner's chance to be chosen (selection.FlowSelector), and an outer
+  outer optimizer it is how far the peer moves the unit in a period of H steps, at most
+  that (merge.DiLoCoMerge.first_scale). Honest peers far apart (own inits,
+  gossip.pull_state false) still meet: each judges the others by partners that are as
+  far, and every exchange moves both sides. Each side clips on its own, so the group's
+  mean is kept only roughly (clip_factor 0, plain averaging, keeps it exactly). A
+  partner clipped k exchanges since it last came close has its beta divided by 1 + k
+  (`trust`): a poisoner clipped every time fades out, an honest straggler is trusted
+  again once it has come close (within CLOSE x the scale; between that and the clip
+  bound trust stays as it was, except on a unit no other partner was heard on). Trust
+  also divides the partner's chance to be chosen (selection.FlowSelector), and an outer
   optimizer takes no outer step on a partner it distrusts (merge.DiLoCoMerge.merge). Not
   done, measured: refusing and penalising a partner clipped 8 times in a row without
   coming twice as close also penalised an honest peer on disjoint data (its distance is
@@ -92,13 +92,9 @@ class DiffGuard:
         with self._lock:
             return 1.0 / (1 + self._streak.get(partner, 0))
 
-    def scale(self, unit: int, partner: str, first: Scale = FIRST_SCALE) -> float:
-        """The lower median of the other partners' latest sizes on `unit`; `first` when
-        no other partner has been heard on it."""
-        return self._scale(unit, partner, first)[0]
-
-    def _scale(self, unit: int, partner: str, first: Scale) -> tuple[float, bool]:
-        """(the scale, whether other partners set it)."""
+    def scale(self, unit: int, partner: str, first: Scale = FIRST_SCALE) -> tuple[float, bool]:
+        """(the lower median of the other partners' latest sizes on `unit`, True), or
+        (`first`, False) when no other partner has been heard on it."""
         with self._lock:
             others = sorted(v for p, v in self._latest[unit].items() if p != partner)
         if not others:
@@ -117,7 +113,7 @@ class DiffGuard:
         size = float(torch.linalg.vector_norm(diff, dtype=torch.float64)) / own
         if not math.isfinite(size):
             raise Rejected("nonfinite", "the difference overflows")
-        typical, by_others = self._scale(unit, partner, first)
+        typical, by_others = self.scale(unit, partner, first)
         far = self.reject > 0 and size > self.reject * typical
         if size > self.max_relative or far:
             bound = (f"{self.reject:g} x the others' {typical:.3g}" if far
