@@ -48,11 +48,17 @@ def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
 
 
 def outer_state_bytes(cfg: Config, n_params: int) -> int:
-    """Host RAM the gossip's outer optimizer keeps (atom/gossip/merge.py DiLoCoMerge)."""
+    """Host RAM the gossip keeps beside the model: the outer optimizer's weights and
+    momentum (atom/gossip/merge.py DiLoCoMerge), and with codec topk one reference per
+    partner (atom/gossip/pairref.py; noloco's payload is twice the weights)."""
     from atom.gossip.merge import OUTER_DEFAULTS
 
-    peers = cfg.gossip.listen is not None
-    return 8 * n_params if peers and cfg.gossip.strategy in OUTER_DEFAULTS else 0
+    if cfg.gossip.listen is None:
+        return 0
+    g = cfg.gossip
+    outer = 8 * n_params if g.strategy in OUTER_DEFAULTS else 0
+    per_ref = 4 * n_params * (2 if g.strategy == "noloco" else 1)
+    return outer + (g.topk_partners * per_ref if g.codec == "topk" else 0)
 
 
 def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
@@ -63,8 +69,9 @@ def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
     available = psutil.virtual_memory().available
     outer_bytes = outer_state_bytes(cfg, n_params)
     outer = (
-        f" (of which {outer_bytes / 2**30:.1f} GiB the outer optimizer's, gossip.strategy "
-        f"{cfg.gossip.strategy}; plain averaging, gossip.strategy gossip, needs none)"
+        f" (of which {outer_bytes / 2**30:.1f} GiB the gossip's, gossip.strategy "
+        f"{cfg.gossip.strategy}, codec {cfg.gossip.codec}; plain averaging, gossip.strategy"
+        f" gossip, with codec int8 needs none)"
         if outer_bytes
         else ""
     )

@@ -120,6 +120,79 @@ def test_lossy_codecs_converge(group, codec):
     wait_until(lambda: distance([a, b]) < 0.02 * start, 15, f"{codec} consensus")
 
 
+def test_topk_converges_and_both_ends_share_the_reference(group):
+    """codec topk: a pair's first exchange is dense int8 and sets the reference both ends
+    hold bit for bit; later ones send 5% of the moves from it (~1/4 of int8's bytes). What
+    top-k leaves out is sent later (error feedback), never merged away: a move of one peer
+    reaches the other over a few exchanges, and the pair's sum is kept throughout."""
+    k = {"codec": "topk", "topk_fraction": 0.05, "lanes": 0, "clip_factor": 0.0}
+    a = group("a", seed=1, **k)
+    b = group("b", seed=2, join=a.endpoint, **k)
+    wait_until(lambda: a.table.get("b") is not None and a.table.get("b").status == "alive")
+    unit = max(a.params.units, key=a.params.numel)
+
+    def exchange() -> float:
+        sent = a.counters.get("exchange.bytes")
+        assert a.averager.exchange(a.table.get("b"), unit)
+        tag = a.averager.refs.get("b", unit)[0]
+        wait_until(lambda: (b.averager.refs.get("a", unit) or (None,))[0] == tag)
+        assert torch.equal(a.averager.refs.get("b", unit)[1], b.averager.refs.get("a", unit)[1])
+        return a.counters.get("exchange.bytes") - sent
+
+    def gap() -> float:
+        return float((a.params.snapshot(unit) - b.params.snapshot(unit)).norm())
+
+    start = gap()
+    dense = exchange()
+    assert dense > a.params.numel(unit)  # int8 both ways: a byte a weight and more
+    assert gap() < 0.02 * start  # plain averaging: the pair met, up to int8's rounding
+    move = torch.randn(a.params.numel(unit)) * 0.01  # a trains on; b does not
+    a.params.add(unit, move)
+    total = a.params.snapshot(unit) + b.params.snapshot(unit)
+    sparse = [exchange() for _ in range(30)]
+    assert max(sparse) < 0.3 * dense
+    after = a.params.snapshot(unit) + b.params.snapshot(unit)
+    assert float((after - total).norm()) < 0.02 * float(move.norm())  # nothing merged away
+    assert gap() < 0.1 * float(move.norm()), (gap(), float(move.norm()))
+
+
+def test_topk_pair_that_lost_its_reference_starts_again_dense(group):
+    """A reply lost on the way leaves the responder on a newer reference than the
+    initiator: the next request is refused as such (no merge, no penalty), both drop theirs,
+    and the exchange after is dense again."""
+    k = {"codec": "topk", "lanes": 0}
+    a = group("a", seed=1, **k)
+    b = group("b", seed=2, join=a.endpoint, **k)
+    wait_until(lambda: a.table.get("b") is not None and a.table.get("b").status == "alive")
+    unit = a.params.units[0]
+    assert a.averager.exchange(a.table.get("b"), unit)
+    wait_until(lambda: b.averager.refs.get("a", unit) is not None)
+    tag, ref = b.averager.refs.get("a", unit)
+    b.averager.refs.set("a", unit, tag + 1, ref)  # b moved on, a did not
+    before = (weights(a), weights(b))
+    assert not a.averager.exchange(a.table.get("b"), unit)
+    assert torch.equal(weights(a), before[0]) and torch.equal(weights(b), before[1])
+    assert a.averager.refs.get("b", unit) is None and b.averager.refs.get("a", unit) is None
+    assert a.counters.get("exchange.resync") == 1 and a.table.get("b").status == "alive"
+    assert a.averager.exchange(a.table.get("b"), unit)  # dense, and a new reference
+    wait_until(lambda: b.averager.refs.get("a", unit) is not None)
+    assert torch.equal(a.averager.refs.get("b", unit)[1], b.averager.refs.get("a", unit)[1])
+
+
+def test_topk_with_a_partner_that_keeps_no_reference_stays_dense(group):
+    """A member on another codec answers a top-k peer's requests as int8 and keeps no
+    reference (host RAM it did not plan for): both sides stay dense, every exchange works."""
+    a = group("a", seed=1, codec="topk", lanes=0)
+    b = group("b", seed=2, join=a.endpoint, codec="int8", lanes=0)
+    wait_until(lambda: a.table.get("b") is not None and a.table.get("b").status == "alive")
+    unit = a.params.units[0]
+    for _ in range(3):
+        assert a.averager.exchange(a.table.get("b"), unit)
+    time.sleep(0.1)
+    assert a.averager.refs.nbytes() == 0 and b.averager.refs.nbytes() == 0
+    assert a.counters.get("exchange.resync") == 0
+
+
 def test_diloco_outer_steps_mix_the_peers(group):
     # the outer step's arithmetic, exactly: plain averaging (two own inits 1.4x apart would
     # be clipped to the first scale, robust.py, and take several outer steps to meet)

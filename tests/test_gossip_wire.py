@@ -12,6 +12,7 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ from atom.gossip.net.wire import (
     pack,
     parse_header,
 )
+from atom.gossip.pairref import PairRefs
 from atom.gossip.selection import FlowSelector, RandomSelector
 
 EXPECT = Expect("open:test", "f" * 24, 5)
@@ -125,6 +127,63 @@ def test_codecs_reject_nonfinite_and_wrong_sizes(name):
     assert err.value.reason == "nonfinite"
     with pytest.raises(Rejected):
         decode_checked(codec, metas, bufs, 99)
+
+
+def test_topk_sends_the_largest_moves_and_reads_them_back():
+    codec = get_codec("topk", 0.05)
+    d = torch.randn(1000) * 0.01
+    big = torch.randperm(1000)[:50]
+    d[big] += torch.sign(d[big]) * 1.0  # the 50 largest, by far
+    metas, bufs, sent = codec.encode_sparse(d)
+    assert metas[0] == {"dtype": "i32", "n": 50}
+    assert sum(b.nbytes for b in bufs) == codec.wire_bytes(1000) < 0.3 * 1000
+    got = codec.decode_sparse(metas, bufs, 1000)
+    assert torch.equal(got, sent)  # the sender knows exactly what the receiver reads
+    assert torch.equal(got != 0, torch.zeros(1000, dtype=torch.bool).index_fill_(0, big, True))
+    assert (got[big] - d[big]).abs().max() <= d[big].abs().max() / 127
+    # every header the parser accepts (i32 indices, an int ref tag)
+    h = header(codec="topk", ref=2**40, tensors=metas)
+    parsed = parse_header(pack(h), EXPECT)
+    assert parsed["ref"] == 2**40
+    check_frames(parsed, [b.tobytes() for b in bufs])  # as frames arrive: bytes
+
+
+def test_topk_refuses_indices_it_cannot_trust():
+    codec = get_codec("topk", 0.01)
+    metas, bufs, _ = codec.encode_sparse(torch.randn(1000))
+
+    def with_indices(idx):
+        return [np.asarray(idx, dtype="<i4"), *bufs[1:]]
+
+    for bad in ([5, 5, 7, 9, 11, 13, 15, 17, 19, 21],  # a repeat would add twice
+                [9, 7, 5, 11, 13, 15, 17, 19, 21, 23],  # not increasing
+                [-1, 7, 9, 11, 13, 15, 17, 19, 21, 23],  # out of range
+                [1, 7, 9, 11, 13, 15, 17, 19, 21, 1000]):  # fmt: skip
+        with pytest.raises(Rejected, match="indices"):
+            codec.decode_sparse(metas, with_indices(bad), 1000)
+    with pytest.raises(Rejected, match="topk expects"):
+        codec.decode_sparse(metas, bufs, 5)  # more entries than the unit has
+    with pytest.raises(Rejected, match="topk expects"):
+        codec.decode_sparse(metas[1:], bufs[1:], 1000)
+    scales = np.full(1, np.inf, dtype="<f4")
+    with pytest.raises(Rejected, match="scales"):
+        codec.decode_sparse(metas, [bufs[0], bufs[1], scales], 1000)
+    with pytest.raises(Rejected, match="ref"):
+        parse_header(pack(header(codec="topk", ref=-3)), EXPECT)
+
+
+def test_pair_references_keep_at_most_the_recent_partners():
+    refs = PairRefs(2)
+    for p in ("a", "b"):
+        refs.set(p, 0, 1, torch.zeros(3))
+    refs.set("a", 1, 2, torch.ones(3))
+    assert refs.get("a", 1)[0] == 2
+    refs.set("c", 0, 3, torch.zeros(3))  # b is the least recently used: dropped whole
+    assert refs.get("b", 0) is None and refs.get("a", 0) is not None
+    assert refs.nbytes() == 3 * 3 * 4
+    refs.drop("a", 0)
+    refs.drop("a", 1)
+    assert refs.get("a", 1) is None and refs.nbytes() == 3 * 4
 
 
 class FakeParams:

@@ -367,10 +367,13 @@ def test_train_counts_the_outer_optimizers_state_with_peers(monkeypatch):
     assert with_outer == alone + 8 * n_params
     plain = replace(peers, gossip={"strategy": "gossip"})
     assert train.host_bytes_needed(plain, torch.float32)[1] == alone
+    # top-k keeps one reference (fp32 payload) per partner, for at most topk_partners
+    topk = replace(plain, gossip={"codec": "topk", "topk_partners": 3})
+    assert train.host_bytes_needed(topk, torch.float32)[1] == alone + 3 * 4 * n_params
     room = SimpleNamespace(available=(alone + with_outer) // 2)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: room)
     assert train.check_host_memory(cfg, torch.float32) == alone
-    with pytest.raises(ConfigError, match="outer optimizer's, gossip.strategy diloco"):
+    with pytest.raises(ConfigError, match="the gossip's, gossip.strategy diloco"):
         train.check_host_memory(peers, torch.float32)
 
 

@@ -80,7 +80,7 @@ def add_command(sub) -> None:
         default="best",
         help="atom's partition: the planner's fastest (default) or the config's",
     )
-    s.add_argument("--codec", choices=["fp32", "bf16", "int8"], help="gossip codec")
+    s.add_argument("--codec", choices=["fp32", "bf16", "int8", "topk"], help="gossip codec")
     s.add_argument("--tau0", type=float, help="convergence constant (default: fitted)")
     s.add_argument(
         "--tokens",
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         chunks = _chunks(args.peers, batch, args.chunks)
         from atom.gossip.net.codecs import get_codec
 
-        codec = get_codec(args.codec or cfg.gossip.codec)
+        codec = get_codec(args.codec or cfg.gossip.codec, cfg.gossip.topk_fraction)
         w = Workload(args.peers, batch, chunks, codec.wire_bytes, cfg.gossip.lanes,
                      cfg.gossip.interval_s, args.tau0, cfg.gossip.strategy,
                      cfg.gossip.diloco_steps)  # fmt: skip

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 STRATEGIES = ("gossip", "diloco", "noloco")
 SELECTIONS = ("flow", "random")
-CODECS = ("fp32", "bf16", "int8")
+CODECS = ("fp32", "bf16", "int8", "topk")
 
 _TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5}|\*)$")
 
@@ -76,7 +76,12 @@ class GossipConfig:
     # docs/benchmarks.md "The outer optimizer"
     strategy: str = "diloco"
     selection: str = "flow"  # flow (mixing per second) | random (uniform baseline)
-    codec: str = "int8"  # fp32 | bf16 | int8 (blockwise, replies as deltas)
+    codec: str = "int8"  # fp32 | bf16 | int8 (blockwise, replies as deltas) | topk
+    # topk: the largest topk_fraction of a unit's moves since the reference it shares with
+    # the partner (atom/gossip/pairref.py), which costs a copy of the model per partner,
+    # for at most topk_partners partners (the least recently used dropped)
+    topk_fraction: float = 0.05
+    topk_partners: int = 4
     interval_s: float = 0.2  # least time between the starts of two exchanges we initiate
     lanes: int = 2  # exchanges we start at once (different partners); 0: only answer others
     timeout_s: float = 10.0  # one exchange (request + reply) must finish within this
@@ -126,7 +131,11 @@ class GossipConfig:
         if self.selection not in SELECTIONS:
             raise ValueError(f"gossip.selection must be flow|random, got {self.selection!r}")
         if self.codec not in CODECS:
-            raise ValueError(f"gossip.codec must be fp32|bf16|int8, got {self.codec!r}")
+            raise ValueError(f"gossip.codec must be fp32|bf16|int8|topk, got {self.codec!r}")
+        if not 0 < self.topk_fraction <= 1:
+            raise ValueError(f"gossip.topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        if self.topk_partners < 1:
+            raise ValueError(f"gossip.topk_partners must be >= 1, got {self.topk_partners}")
         for name in ("timeout_s", "heartbeat_s", "dead_after_s", "join_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"gossip.{name} must be > 0, got {getattr(self, name)}")

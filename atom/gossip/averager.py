@@ -36,6 +36,7 @@ from atom.gossip.net.codecs import Codec, decode_checked, get_codec, roundtrip
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.transport import Incoming, Reply
 from atom.gossip.net.wire import Rejected
+from atom.gossip.pairref import REF_NACK, PairRefs, next_reference
 from atom.gossip.robust import DiffGuard, safe_beta
 from atom.gossip.selection import Selector
 
@@ -66,6 +67,7 @@ class Averager:
         plog: logging.LoggerAdapter,
         stop: threading.Event,
         guard: DiffGuard | None = None,
+        refs: PairRefs | None = None,
     ):
         self.params, self.table, self.selector, self.merge = params, table, selector, merge
         # unit -> (outer weights, momentum, last outer step) pulled while joining (DiLoCo)
@@ -84,6 +86,7 @@ class Averager:
         self._served: collections.deque[float] = collections.deque(maxlen=256)
         self._warned: set[str] = set()  # partners told of a strategy mismatch
         self.guard = guard or DiffGuard()  # refuses (or clips) what a bad peer sends
+        self.refs = refs or PairRefs(4)  # pairs' shared references (codec topk)
         self._threads: list[threading.Thread] = []
         self._local = threading.local()
         self._clients: list[Client] = []
@@ -182,16 +185,23 @@ class Averager:
         n = self.params.numel(unit)
         snap = self.params.snapshot(unit)
         mine = self.merge.payload(unit, snap)  # the weights, or noloco's [outer; pseudo-grad]
-        metas, buffers = codec.encode(mine)  # may share mine's memory: it is never written
-        # what the partner will decode: an int8 reply is a delta against exactly that
-        sent = roundtrip(codec, mine) if codec.name == "int8" else mine
         h = self.header("xreq", self.client.next_rid(), partner.id)
+        n_pay = self.merge.payload_numel(n)
+        held = self.refs.get(partner.id, unit) if codec.name == "topk" else None
+        if held is not None and held[1].numel() == n_pay:  # top-k against it (pairref.py)
+            metas, buffers, sent = codec.encode_sparse(mine - held[1])
+            sent.add_(held[1])  # what the partner will read
+            h["ref"] = held[0]
+        else:
+            held = None
+            metas, buffers = codec.encode(mine)  # may share mine's memory: never written
+            # what the partner will decode: an int8 reply is a delta against exactly that
+            sent = roundtrip(codec, mine) if codec.delta_replies else mine
         h.update(unit=unit, codec=codec.name, weight=self.weight(), tensors=metas, delta=False)
         if self.merge.payload_kind != "weights":
             h["payload"] = self.merge.payload_kind
         work = time.monotonic() - t0
-        n_pay = self.merge.payload_numel(n)
-        nbytes = codec.wire_bytes(n_pay)
+        nbytes = sum(b.nbytes for b in buffers)
         reply = self.client.request(
             partner.endpoint,
             (partner.id, partner.endpoint),
@@ -207,6 +217,10 @@ class Averager:
             self.log.debug("exchange of unit %d with %s failed (no valid reply)", unit, partner.id)
             return False
         rh = reply.header
+        if rh["from"] == partner.id and rh["kind"] == "nack" and rh.get("reason") == REF_NACK:
+            self.refs.drop(partner.id, unit)  # it holds another reference: dense next time
+            self.counters.inc("exchange.resync")
+            return False
         if rh["from"] != partner.id or rh["kind"] in ("busy", "nack"):
             self.counters.inc(f"exchange.{'busy' if rh['kind'] == 'busy' else 'refused'}")
             self._warn_strategy(partner.id, rh)
@@ -218,13 +232,26 @@ class Averager:
                 raise Rejected("schema", f"answered {rh['kind']} unit {rh.get('unit')} to xreq")
             if rh.get("payload", "weights") != self.merge.payload_kind:
                 raise Rejected("schema", f"answered a {rh.get('payload', 'weights')} payload")
-            remote = decode_checked(codec, rh["tensors"], reply.frames, n_pay)
-            if rh.get("delta"):
-                remote = sent + remote
-                if not bool(torch.isfinite(remote).all()):
-                    raise Rejected("nonfinite", "delta overflows")
+            # a reply to a dense request names our rid when the partner keeps a reference
+            # (it trains on topk too): then so do we; a top-k reply names the request's
+            kept = rh.get("ref")
+            if kept not in ((held[0],) if held is not None else (None, h["rid"])):
+                raise Rejected("schema", "the reply's reference is not the request's")
+            if held is not None:
+                remote = _finite(codec.decode_sparse(rh["tensors"], reply.frames, n_pay)
+                                 .add_(held[1]))  # fmt: skip
+            else:
+                remote = decode_checked(codec, rh["tensors"], reply.frames, n_pay)
+                if rh.get("delta"):
+                    remote = _finite(sent + remote)
+            new_ref = None
+            if kept is not None:
+                new_ref = next_reference(sent, remote)
+                remote = _as_seen_from(mine, sent, remote)
             diff, remote, disagreement = self._judge(unit, snap, mine, remote, partner.id)
         except Rejected as err:
+            if codec.name == "topk":  # the partner moved its reference on, we do not
+                self.refs.drop(partner.id, unit)
             err.sender = partner.id
             self.on_reject(err, reply.address)
             self.counters.inc("exchange.failed")
@@ -232,6 +259,8 @@ class Averager:
         w_me, w_them = self.weight(), rh["weight"]
         trust = self.guard.trust(partner.id)  # below 1: clipped lately (not to build on)
         self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * trust, remote, trust < 1)
+        if new_ref is not None:
+            self.refs.set(partner.id, unit, h["rid"], new_ref)  # the partner's new tag too
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
         self.table.exchanged(
@@ -299,15 +328,38 @@ class Averager:
             self.counters.inc("served.busy")
             return _refuse(base, "busy", "unit in another exchange", unit)
         try:
-            codec = get_codec(h["codec"])
-            n = self.params.numel(unit)
-            remote = decode_checked(codec, h["tensors"], incoming.frames,
-                                    self.merge.payload_numel(n))  # fmt: skip
+            # our own codec where it is the request's (topk: our fraction for the reply)
+            codec = self.codec if h["codec"] == self.codec.name else get_codec(h["codec"])
+            n_pay = self.merge.payload_numel(self.params.numel(unit))
+            held = self._reference_of(h, codec, unit, n_pay)
+            if held is False:  # not the reference the request was built on
+                self._release(unit)
+                self.counters.inc("served.resync")
+                return _refuse(base, "nack", REF_NACK)
+            if held is not None:
+                remote = _finite(codec.decode_sparse(h["tensors"], incoming.frames, n_pay)
+                                 .add_(held[1]))  # fmt: skip
+            else:
+                remote = decode_checked(codec, h["tensors"], incoming.frames, n_pay)
             snap = self.params.snapshot(unit)
             mine = self.merge.payload(unit, snap)
-            # int8 replies are deltas against the request (small numbers, small rounding);
-            # fp32/bf16 replies are our payload itself, which nobody writes again
-            metas, buffers = codec.encode(mine - remote if codec.name == "int8" else mine)
+            read = None  # what the partner will read of our reply (topk: for the reference)
+            if held is not None:
+                metas, buffers, read = codec.encode_sparse(mine - held[1])
+                read.add_(held[1])
+                base["ref"] = held[0]
+            elif codec.delta_replies:
+                # int8 replies are deltas against the request (small numbers, small rounding)
+                metas, buffers = codec.encode(mine - remote)
+                if codec.name == "topk" and self.codec.name == "topk":  # keep a reference
+                    read = remote + roundtrip(codec, mine - remote)
+                    base["ref"] = h["rid"]
+            else:  # fp32/bf16 replies are our payload itself, which nobody writes again
+                metas, buffers = codec.encode(mine)
+            new_ref = None
+            if read is not None:
+                new_ref = next_reference(remote, read)
+                remote = _as_seen_from(mine, read, remote)
             diff, remote, _ = self._judge(unit, snap, mine, remote, h["from"])
         except BaseException:
             self._release(unit)
@@ -316,9 +368,8 @@ class Averager:
         # partner may be judged meanwhile
         trust = self.guard.trust(h["from"])  # below 1: clipped lately (not to build on)
         w_me, w_them = self.weight(), h["weight"]
-        base.update(
-            unit=unit, codec=codec.name, weight=w_me, tensors=metas, delta=codec.name == "int8"
-        )
+        base.update(unit=unit, codec=codec.name, weight=w_me, tensors=metas,
+                    delta=codec.delta_replies and held is None)  # fmt: skip
         if kind != "weights":
             base["payload"] = kind
         base["served"] = time.monotonic() - incoming.received
@@ -327,6 +378,8 @@ class Averager:
             try:
                 beta = safe_beta(w_me, w_them) * trust
                 self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
+                if new_ref is not None:
+                    self.refs.set(h["from"], unit, h["rid"], new_ref)
                 self.table.served_exchange(h["from"])
                 self._served.append(time.monotonic())
                 self.counters.inc("served.ok")
@@ -334,6 +387,20 @@ class Averager:
                 self._release(unit)
 
         return base, buffers, apply
+
+    def _reference_of(self, h: dict, codec: Codec, unit: int, n_pay: int):
+        """The pair's (tag, reference) a top-k request was built on; None for a dense
+        request; False when we hold another or none (dropped: the next one is dense)."""
+        tag = h.get("ref")
+        if tag is None:
+            return None
+        if codec.name != "topk":
+            raise Rejected("schema", f"a reference with codec {codec.name}")
+        held = self.refs.get(h["from"], unit)
+        if held is None or held[0] != tag or held[1].numel() != n_pay:
+            self.refs.drop(h["from"], unit)
+            return False
+        return held
 
     def serve_state(self, incoming: Incoming) -> Reply:
         """Server side of sreq: a joining peer copies one unit, exactly (fp32)."""
@@ -444,6 +511,21 @@ class Averager:
             clients, self._clients = self._clients, []
         for c in clients:
             c.close()
+
+
+def _as_seen_from(mine: torch.Tensor, read: torch.Tensor, remote: torch.Tensor) -> torch.Tensor:
+    """Top-k: the partner's payload as the merge should see it, mine + (remote - read),
+    read = what the partner read of ours. Both ends then move by the difference of the two
+    reconstructions (CHOCO-gossip's rule): the pair's sum is kept, and what top-k left out
+    of either payload stays in payload - reference for a later exchange instead of being
+    merged away (x - remote would pull us back towards the partner's idea of us)."""
+    return remote.sub_(read).add_(mine)
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise Rejected("nonfinite", "the decoded payload overflows")
+    return t
 
 
 def _refuse(header: dict[str, Any], kind: str, reason: str, unit: int | None = None) -> Reply:

@@ -39,6 +39,7 @@ from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Incoming, Reply, Server
 from atom.gossip.net.wire import PROTOCOL, Expect, Rejected
+from atom.gossip.pairref import PairRefs
 from atom.gossip.robust import DiffGuard
 from atom.gossip.selection import make_selector
 from atom.gossip.status import PeerLog, write_status
@@ -139,7 +140,7 @@ class GossipPeer:
             self.table,
             self.selector,
             self.merge,
-            get_codec(gcfg.codec),
+            get_codec(gcfg.codec, gcfg.topk_fraction),
             lambda: self._client(self.stop),
             self.counters,
             self._header,
@@ -151,6 +152,7 @@ class GossipPeer:
             self.log,
             self.stop,
             guard,
+            PairRefs(gcfg.topk_partners),
         )
         probe = min(gcfg.probe_kb * 1024, self.max_bytes // 2)
         self.membership = Membership(

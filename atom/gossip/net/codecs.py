@@ -6,6 +6,9 @@
           The averager sends a request as values and the reply as the *delta* against
           the request it answers, so the reply's rounding error scales with how far the
           two peers disagree, not with the size of the weights.
+    topk  int8 where a pair of peers has no reference yet; then the k largest entries of
+          the payload's difference from the pair's shared reference (int32 indices and
+          blockwise int8 values): ~5 bytes per kept entry (atom/gossip/pairref.py)
 
 Encoding always produces fresh buffers that nobody writes afterwards: they go out with
 copy=False (zero-copy) and zmq may still be reading them after send returns
@@ -40,6 +43,7 @@ def _expect(metas: list[dict], dtypes: list[tuple[str, int]], codec: str) -> Non
 
 class Codec:
     name = ""
+    delta_replies = False  # the averager replies with the delta against the request
 
     def encode(self, x: torch.Tensor) -> tuple[list[dict], list[Any]]:
         """(tensor metas for the header, buffers to send) for a flat fp32 tensor. The
@@ -90,6 +94,7 @@ class Bf16Codec(Codec):
 
 class Int8Codec(Codec):
     name = "int8"
+    delta_replies = True
 
     def encode(self, x: torch.Tensor) -> tuple[list[dict], list[Any]]:
         n = x.numel()
@@ -118,10 +123,56 @@ class Int8Codec(Codec):
         return n + 4 * (-(-n // BLOCK))
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (Fp32Codec(), Bf16Codec(), Int8Codec())}
+class TopKCodec(Int8Codec):
+    """Dense like int8 (encode / decode: a pair's first exchange, which sets its shared
+    reference); `encode_sparse` / `decode_sparse` for the exchanges after it."""
+
+    name = "topk"
+
+    def __init__(self, fraction: float = 0.05):
+        self.fraction = fraction
+
+    def keep(self, n: int) -> int:
+        return min(n, max(1, math.ceil(self.fraction * n)))
+
+    def encode_sparse(self, delta: torch.Tensor) -> tuple[list[dict], list[Any], torch.Tensor]:
+        """(metas, buffers, what the receiver will decode, dense) for the k largest
+        entries of `delta` by magnitude; the rest is left for a later exchange."""
+        n = delta.numel()
+        idx = torch.topk(delta.abs(), self.keep(n), sorted=False).indices.sort().values
+        vmetas, vbufs = super().encode(delta[idx])
+        vals = super().decode(vmetas, vbufs, idx.numel())
+        sent = torch.zeros(n, dtype=torch.float32).index_put_((idx,), vals)
+        metas = [{"dtype": "i32", "n": idx.numel()}, *vmetas]
+        return metas, [idx.to(torch.int32).numpy(), *vbufs], sent
+
+    def decode_sparse(self, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+        """The dense difference a sparse message carries; Rejected unless its indices are
+        strictly increasing inside [0, n) and its values finite."""
+        if len(metas) != 3 or metas[0]["dtype"] != "i32" or not 1 <= metas[0]["n"] <= n:
+            raise Rejected("schema", f"topk expects [i32 k, i8 k, f32 k/{BLOCK}] with k <= {n}")
+        k = metas[0]["n"]
+        raw = np.frombuffer(_buffer(frames[0]), dtype="<i4", count=k)
+        idx = torch.from_numpy(raw.astype(np.int64))
+        if int(idx[0]) < 0 or int(idx[-1]) >= n or (k > 1 and not bool((idx[1:] > idx[:-1]).all())):
+            raise Rejected("schema", "topk indices must be strictly increasing in [0, n)")
+        vals = super().decode(metas[1:], frames[1:], k)
+        return torch.zeros(n, dtype=torch.float32).index_put_((idx,), vals)
+
+    def wire_bytes(self, n: int) -> int:
+        """A sparse exchange's bytes (the first one of a pair is int8's)."""
+        k = self.keep(n)
+        return 4 * k + super().wire_bytes(k)
 
 
-def get_codec(name: str) -> Codec:
+CODECS: dict[str, Codec] = {c.name: c for c in (Fp32Codec(), Bf16Codec(), Int8Codec(), TopKCodec())}
+
+
+def get_codec(name: str, topk_fraction: float | None = None) -> Codec:
+    """The codec `name`; topk with its own fraction when one is given (what we send:
+    what a partner sends needs no fraction to be read)."""
+    if name == "topk" and topk_fraction is not None:
+        return TopKCodec(topk_fraction)
     return CODECS[name]
 
 

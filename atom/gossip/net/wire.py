@@ -21,7 +21,8 @@ Header fields (all messages):
 Per kind: unit, codec, weight, delta, served, tensors, peers, links, load, reason; a state
 pull may ask for a `part` (weights, or DiLoCo's outer weights or momentum, with the
 unit's `outer_step`); an exchange names its `payload` when it is not the weights
-(NoLoCo's outer weights and pseudo-gradient, one tensor of twice the unit's size).
+(NoLoCo's outer weights and pseudo-gradient, one tensor of twice the unit's size); a
+top-k exchange names the `ref` (tag) of the pair's shared reference it is relative to.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ PROTOCOL = 2  # 2: `to`, rids unique per sender
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 8  # header + tensors; no codec needs more than 2 tensor frames
 MAX_LISTED = 256  # peers / links in one heartbeat
-ITEMSIZE = {"f32": 4, "bf16": 2, "i8": 1, "u8": 1}
+ITEMSIZE = {"f32": 4, "bf16": 2, "i8": 1, "u8": 1, "i32": 4}
 _ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _INT_MAX = 2**62
 
@@ -51,8 +52,8 @@ KINDS = {
     "bye": set(),
     "probe": {"tensors"},
     "ack": set(),
-    "xreq": {"unit", "codec", "weight", "tensors", "delta", "payload"},
-    "xrep": {"unit", "codec", "weight", "tensors", "delta", "served", "payload"},
+    "xreq": {"unit", "codec", "weight", "tensors", "delta", "payload", "ref"},
+    "xrep": {"unit", "codec", "weight", "tensors", "delta", "served", "payload", "ref"},
     "busy": {"unit", "reason"},
     "sreq": {"unit", "part"},
     "srep": {"unit", "codec", "weight", "tensors", "part", "outer_step"},
@@ -60,7 +61,7 @@ KINDS = {
 }
 COMMON = {"v", "kind", "group", "fp", "from", "to", "inc", "ep", "rid", "step", "samples", "ready"}
 # every other field of a kind is required
-OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step", "payload"}
+OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step", "payload", "ref"}
 PARTS = ("weights", "outer", "momentum")  # what a state pull asks for (DiLoCo: all three)
 # what an exchange carries: the weights, or NoLoCo's [outer weights; pseudo-gradient]
 PAYLOADS = ("weights", "outer")
@@ -213,6 +214,7 @@ _CHECKS = {
     # negative at the start of a run: the units' outer steps are staggered (merge.py)
     "outer_step": lambda v: _int(v, "outer_step", -_INT_MAX),
     "payload": lambda v: v if v in PAYLOADS else _fail("schema", f"payload not in {PAYLOADS}"),
+    "ref": lambda v: _int(v, "ref", 0, 2**63),
     "load": lambda v: _float(v, "load", 0.0, 1e6),
     "reason": lambda v: _str(v, "reason", 200),
     "tensors": _tensors,
