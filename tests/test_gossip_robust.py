@@ -28,7 +28,7 @@ def test_guard_refuses_absurd_differences_from_the_start():
         guard.admit(0, mine, torch.full((100,), 1e30))
     assert err.value.reason == "outlier"
     diff = torch.full((100,), 1.4)  # two independent inits differ by about this much
-    assert guard.admit(0, mine, diff) == pytest.approx(1.4) and torch.all(diff == 1.4)
+    assert guard.admit(0, mine, diff).size == pytest.approx(1.4) and torch.all(diff == 1.4)
 
 
 def _size(diff: torch.Tensor, mine: torch.Tensor) -> float:
@@ -61,7 +61,8 @@ def test_guard_clips_to_the_other_partners_scale():
     assert _size(other, mine) == pytest.approx(3 * FIRST_SCALE)
     plain = DiffGuard()  # clip 0: nothing clipped, only max_relative
     far = torch.full((100,), 1.4)
-    assert plain.admit(0, mine, far, "x") == pytest.approx(1.4) and bool(torch.all(far == 1.4))
+    assert plain.admit(0, mine, far, "x").size == pytest.approx(1.4)
+    assert bool(torch.all(far == 1.4))
 
 
 def test_an_outer_optimizer_judges_the_first_voice_by_its_own_progress():
@@ -233,8 +234,8 @@ def test_a_partner_clipped_again_and_again_fades_out():
     for k in range(3):
         guard.admit(0, mine, torch.full((100,), 0.01), f"h{k}")
     for n in range(1, 5):  # poison: clipped every time
-        guard.admit(0, mine, torch.full((100,), 1.0), "p")
-        assert guard.trust("p") == pytest.approx(1 / (1 + n))
+        judged = guard.admit(0, mine, torch.full((100,), 1.0), "p")
+        assert guard.trust("p") == pytest.approx(1 / (1 + n)) == judged.trust  # as judged
     assert guard.trust("h0") == 1.0
     within = torch.full((100,), 0.025)  # within the clip bound (3x), not close (1.5x)
     guard.admit(0, mine, within, "p")

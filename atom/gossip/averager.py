@@ -248,7 +248,8 @@ class Averager:
             if kept is not None:
                 new_ref = next_reference(sent, remote)
                 remote = _as_seen_from(mine, sent, remote)
-            diff, remote, disagreement = self._judge(unit, snap, mine, remote, partner.id)
+            diff, remote, disagreement, trust = self._judge(unit, snap, mine, remote,
+                                                            partner.id)  # fmt: skip
         except Rejected as err:
             if codec.name == "topk":  # the partner moved its reference on, we do not
                 self.refs.drop(partner.id, unit)
@@ -257,7 +258,6 @@ class Averager:
             self.counters.inc("exchange.failed")
             return False
         w_me, w_them = self.weight(), rh["weight"]
-        trust = self.guard.trust(partner.id)  # below 1: clipped lately (not to build on)
         self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * trust, remote, trust < 1)
         if new_ref is not None:
             self.refs.set(partner.id, unit, h["rid"], new_ref)  # the partner's new tag too
@@ -290,22 +290,24 @@ class Averager:
                          self.merge.name)  # fmt: skip
 
     def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
-               sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float]:  # fmt: skip
+               sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:  # fmt: skip
         """(diff = their weights - ours; their payload (None when it is the weights: diff
-        says it all); how far apart the two are as far as we let it in), after the robust
-        merge clipped or refused (Rejected) the payloads' difference. The whole payload is
-        judged, not only the weights it implies: noloco's outer weights and pseudo-gradient
-        could each be huge and still imply harmless weights."""
+        says it all); how far apart the two are as far as we let it in; the sender's trust
+        as this judgement left it), after the robust merge clipped or refused (Rejected)
+        the payloads' difference. The whole payload is judged, not only the weights it
+        implies: noloco's outer weights and pseudo-gradient could each be huge and still
+        imply harmless weights."""
         pdiff = remote.sub_(mine)  # no copy: the payload itself is not needed again
         first = lambda: self.merge.first_scale(unit, snap)  # noqa: E731  (only when needed)
         if self.merge.payload_kind == "weights":
-            self.guard.admit(unit, snap, pdiff, sender, first)  # clipped in place, or refused
+            # clipped in place, or refused
+            trust = self.guard.admit(unit, snap, pdiff, sender, first).trust
             # after the clip: what this exchange could remove (the selector's drift)
-            return pdiff, None, relative_disagreement(snap, pdiff)
-        self.guard.admit(unit, mine, pdiff, sender, first)
+            return pdiff, None, relative_disagreement(snap, pdiff), trust
+        trust = self.guard.admit(unit, mine, pdiff, sender, first).trust
         remote = pdiff.add_(mine)
         diff = self.merge.weights_of(remote, snap.numel()) - snap
-        return diff, remote, relative_disagreement(snap, diff)
+        return diff, remote, relative_disagreement(snap, diff), trust
 
     # ------------------------------------------------------------ responder
     def serve_exchange(self, incoming: Incoming) -> Reply:
@@ -360,13 +362,12 @@ class Averager:
             if read is not None:
                 new_ref = next_reference(remote, read)
                 remote = _as_seen_from(mine, read, remote)
-            diff, remote, _ = self._judge(unit, snap, mine, remote, h["from"])
+            # trust below 1: clipped lately (not to build on); as judged, not after the
+            # reply: another exchange with the same partner may be judged meanwhile
+            diff, remote, _, trust = self._judge(unit, snap, mine, remote, h["from"])
         except BaseException:
             self._release(unit)
             raise
-        # read with the judgement, not after the reply: another exchange with the same
-        # partner may be judged meanwhile
-        trust = self.guard.trust(h["from"])  # below 1: clipped lately (not to build on)
         w_me, w_them = self.weight(), h["weight"]
         base.update(unit=unit, codec=codec.name, weight=w_me, tensors=metas,
                     delta=codec.delta_replies and held is None)  # fmt: skip

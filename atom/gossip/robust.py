@@ -45,6 +45,7 @@ import collections
 import math
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +61,11 @@ def safe_beta(w_me: float, w_them: float) -> float:
 FIRST_SCALE = 0.1  # the scale of a unit no other partner has been heard on
 Scale = float | Callable[[], float]
 CLOSE = 1.5  # a partner within this multiple of the others' scale is trusted again
+
+
+class Judgement(NamedTuple):
+    size: float  # |remote - mine| / |mine| before any clip
+    trust: float  # the partner's trust after this judgement (DiffGuard.trust)
 
 
 class DiffGuard:
@@ -102,9 +108,11 @@ class DiffGuard:
         return max(others[(len(others) - 1) // 2], 1e-4), True  # floored: equal units differ
 
     def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor, partner: str = "",
-              first: Scale = FIRST_SCALE) -> float:  # fmt: skip
+              first: Scale = FIRST_SCALE) -> Judgement:  # fmt: skip
         """Scale `diff` (remote - mine) in place to the allowed size; the relative size it
-        had. Raises Rejected("outlier") for one too far from the others' range. `first`:
+        had, and the partner's trust as this judgement left it (read in the same lock: an
+        exchange with it on another thread may be judged next). Raises
+        Rejected("outlier") for one too far from the others' range. `first`:
         the scale while no other partner has been heard on the unit (the caller may know
         better than FIRST_SCALE: an outer optimizer, its own progress), or a function
         that gives it (called only then)."""
@@ -143,4 +151,4 @@ class DiffGuard:
                 self._streak.popitem(last=False)
         if size > allowed:
             diff.mul_(allowed / size)
-        return size
+        return Judgement(size, 1.0 / (1 + streak))
