@@ -208,7 +208,7 @@ def test_diloco_outer_steps_mix_the_peers(group):
     wait_until(lambda: distance([a, b]) < 1e-6 * start, 10, "diloco outer steps")
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "int8", "topk"])
 def test_noloco_outer_steps_mix_the_peers(group, codec):
     d = {"strategy": "noloco", "diloco_steps": 2, "codec": codec, "clip_factor": 0.0}
     a = group("a", seed=1, **d)
@@ -219,6 +219,15 @@ def test_noloco_outer_steps_mix_the_peers(group, codec):
     tolerance = 1e-3 if codec == "fp32" else 0.02  # int8: the request's rounding
     wait_until(lambda: distance([a, b]) < tolerance * start, 10, "noloco outer steps")
     assert a.counters.get("exchange.ok") + b.counters.get("exchange.ok") > 0
+    if codec == "topk":  # then top-k of [outer; pseudo-gradient] against the pair's reference
+        for step in (4, 6, 8):
+            for p in (a, b):
+                p.after_step(step)
+            time.sleep(0.3)
+        unit = a.params.units[0]
+        held = a.averager.refs.get("b", unit)
+        assert held is not None and held[1].numel() == 2 * a.params.numel(unit)
+        assert distance([a, b]) < tolerance * start
 
 
 def test_a_peer_of_another_strategy_is_refused_not_penalised(group, caplog):

@@ -148,6 +148,19 @@ def test_topk_sends_the_largest_moves_and_reads_them_back():
     check_frames(parsed, [b.tobytes() for b in bufs])  # as frames arrive: bytes
 
 
+def test_topk_of_a_large_unit_keeps_about_k_and_only_the_largest():
+    codec = get_codec("topk", 0.05)
+    n = 300_001
+    d = torch.randn(n) * torch.rand(n)  # magnitudes of every size
+    d[:1000] = torch.linspace(1, 2, 1000)  # and rows of structure the sample must not miss
+    metas, bufs, sent = codec.encode_sparse(d)
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[torch.from_numpy(bufs[0].astype(np.int64))] = True
+    assert 0.9 * 0.05 * n <= int(kept.sum()) <= 1.1 * 0.05 * n
+    assert float(d.abs()[kept].min()) >= float(d.abs()[~kept].max())  # a threshold
+    assert torch.equal(codec.decode_sparse(metas, [b.tobytes() for b in bufs], n), sent)
+
+
 def test_topk_refuses_indices_it_cannot_trust():
     codec = get_codec("topk", 0.01)
     metas, bufs, _ = codec.encode_sparse(torch.randn(1000))
