@@ -156,7 +156,8 @@ def test_a_ping_flood_is_dropped_past_the_rate(group, adversary):  # noqa: F811
         h.update(peers=[], links=[])
         adv.send_raw(adv.frames(h))
     wait_until(lambda: a.counters.get("rejected.rate") >= 400 - 64 - 10, 10, "pings dropped")
-    assert a.counters.get("recv.ping") >= 400
+    # every ping was read (the last may still be on its way when the count is reached)
+    wait_until(lambda: a.counters.get("recv.ping") >= 400, 10, "every ping received")
 
 
 def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):

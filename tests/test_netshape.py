@@ -84,6 +84,9 @@ def test_teardown_on_signal(sig):
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).resolve().parent.parent,  # so that `tools` imports
+        # SIGINT as a terminal gives it, also when pytest runs as a background job
+        # (which ignores SIGINT, and a child inherits that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert proc.stdout is not None

@@ -354,7 +354,7 @@ class Averager:
                 # int8 replies are deltas against the request (small numbers, small rounding)
                 metas, buffers = codec.encode(mine - remote)
                 if codec.name == "topk" and self.codec.name == "topk":  # keep a reference
-                    read = remote + roundtrip(codec, mine - remote)
+                    read = remote + codec.decode(metas, buffers, n_pay)
                     base["ref"] = h["rid"]
             else:  # fp32/bf16 replies are our payload itself, which nobody writes again
                 metas, buffers = codec.encode(mine)

@@ -24,6 +24,9 @@ never a source of weights.
 
 Costs one fp32 copy of a unit's payload per partner that exchanged it: at most `partners`
 partners are kept, the least recently used dropped whole (its next exchange is dense).
+A peer that keeps no references (another codec) answers dense and says so (no `ref` in
+its reply): the pair stays dense. References are not checkpointed: after a restart a
+pair's next exchange is dense, and the partner replaces the reference it held.
 """
 
 from __future__ import annotations
