@@ -179,6 +179,26 @@ def test_topk_pair_that_lost_its_reference_starts_again_dense(group):
     assert torch.equal(a.averager.refs.get("b", unit)[1], b.averager.refs.get("a", unit)[1])
 
 
+def test_a_reference_offered_to_a_peer_not_on_topk_is_refused(group):
+    """A reply naming a reference to an int8 request would make the requester keep one
+    (host RAM it never planned) and merge by another rule: refused, nothing merged."""
+    a = group("a", seed=1, codec="int8", lanes=0)
+    b = group("b", seed=2, join=a.endpoint, codec="int8", lanes=0)
+    wait_until(lambda: a.table.get("b") is not None and a.table.get("b").status == "alive")
+    serve = b.averager.serve_exchange
+
+    def offering(incoming):
+        reply = serve(incoming)
+        reply[0]["ref"] = incoming.header["rid"]
+        return reply
+
+    b.averager.serve_exchange = offering
+    before = weights(a)
+    assert not a.averager.exchange(a.table.get("b"), a.params.units[0])
+    assert torch.equal(weights(a), before) and a.averager.refs.nbytes() == 0
+    assert a.counters.get("rejected.schema") >= 1
+
+
 def test_topk_with_a_partner_that_keeps_no_reference_stays_dense(group):
     """A member on another codec answers a top-k peer's requests as int8 and keeps no
     reference (host RAM it did not plan for): both sides stay dense, every exchange works."""
@@ -219,6 +239,9 @@ def test_noloco_outer_steps_mix_the_peers(group, codec):
     tolerance = 1e-3 if codec == "fp32" else 0.02  # int8: the request's rounding
     wait_until(lambda: distance([a, b]) < tolerance * start, 10, "noloco outer steps")
     assert a.counters.get("exchange.ok") + b.counters.get("exchange.ok") > 0
+    # a message holds twice the unit: the size limit is twice another strategy's
+    other = group("c", seed=3, start=False, strategy="diloco")
+    assert a.max_bytes - 2**20 == pytest.approx(2 * (other.max_bytes - 2**20), abs=2)
     if codec == "topk":  # then top-k of [outer; pseudo-gradient] against the pair's reference
         for step in (4, 6, 8):
             for p in (a, b):

@@ -152,7 +152,8 @@ def test_topk_of_a_large_unit_keeps_about_k_and_only_the_largest():
     codec = get_codec("topk", 0.05)
     n = 300_001
     d = torch.randn(n) * torch.rand(n)  # magnitudes of every size
-    d[:1000] = torch.linspace(1, 2, 1000)  # and rows of structure the sample must not miss
+    d[: n // 20] *= 10  # a stretch at another scale (a sample must not cluster elsewhere)
+    d[-4096:].view(-1, 64)[:, 5] = 50.0  # one column of rows: a stride must not miss it
     metas, bufs, sent = codec.encode_sparse(d)
     kept = torch.zeros(n, dtype=torch.bool)
     kept[torch.from_numpy(bufs[0].astype(np.int64))] = True

@@ -97,7 +97,9 @@ class GossipConfig:
     outer_consensus: float = 1.0  # noloco: pull towards the pair's mean outer weights
     link_mbps: float = 0.0  # emulate: cap every outgoing link at this rate (0: off)
     link_mbps_to: str = ""  # emulate per link: 'NAME=MBPS,tcp://H:P=MBPS,A+B=MBPS' (A, B share)
-    max_message_mb: float = 0.0  # reject larger messages; 0: 1.25x the largest unit + 1 MiB
+    # reject larger messages; 0: 1.25x the largest payload in fp32 (the unit; noloco's
+    # twice that) + 1 MiB
+    max_message_mb: float = 0.0
     explore: float = 0.1  # flow selection: chance of a uniform random partner
     penalty_s: float = 30.0  # a peer that sent a bad message is not chosen for this long
     # robust merge (atom/gossip/robust.py): a difference beyond max_relative x the unit's
@@ -132,8 +134,9 @@ class GossipConfig:
             raise ValueError(f"gossip.selection must be flow|random, got {self.selection!r}")
         if self.codec not in CODECS:
             raise ValueError(f"gossip.codec must be fp32|bf16|int8|topk, got {self.codec!r}")
-        if not 0 < self.topk_fraction <= 1:
-            raise ValueError(f"gossip.topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        if not 0 < self.topk_fraction <= 0.2:  # above, 5 bytes an entry outweigh int8's 1
+            raise ValueError(f"gossip.topk_fraction must be in (0, 0.2], got "
+                             f"{self.topk_fraction}")  # fmt: skip
         if self.topk_partners < 1:
             raise ValueError(f"gossip.topk_partners must be >= 1, got {self.topk_partners}")
         for name in ("timeout_s", "heartbeat_s", "dead_after_s", "join_timeout_s"):

@@ -235,7 +235,8 @@ class Averager:
             # a reply to a dense request names our rid when the partner keeps a reference
             # (it trains on topk too): then so do we; a top-k reply names the request's
             kept = rh.get("ref")
-            if kept not in ((held[0],) if held is not None else (None, h["rid"])):
+            allowed = (None, h["rid"]) if codec.name == "topk" else (None,)
+            if kept not in ((held[0],) if held is not None else allowed):
                 raise Rejected("schema", "the reply's reference is not the request's")
             if held is not None:
                 remote = _finite(codec.decode_sparse(rh["tensors"], reply.frames, n_pay)
@@ -248,8 +249,9 @@ class Averager:
             if kept is not None:
                 new_ref = next_reference(sent, remote)
                 remote = _as_seen_from(mine, sent, remote)
+            sparse = held is not None
             diff, remote, disagreement, trust = self._judge(unit, snap, mine, remote,
-                                                            partner.id)  # fmt: skip
+                                                            partner.id, sparse)  # fmt: skip
         except Rejected as err:
             if codec.name == "topk":  # the partner moved its reference on, we do not
                 self.refs.drop(partner.id, unit)
@@ -290,21 +292,26 @@ class Averager:
                          self.merge.name)  # fmt: skip
 
     def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
-               sender: str) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:  # fmt: skip
+               sender: str, sparse: bool = False,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:  # fmt: skip
         """(diff = their weights - ours; their payload (None when it is the weights: diff
         says it all); how far apart the two are as far as we let it in; the sender's trust
         as this judgement left it), after the robust merge clipped or refused (Rejected)
         the payloads' difference. The whole payload is judged, not only the weights it
         implies: noloco's outer weights and pseudo-gradient could each be huge and still
-        imply harmless weights."""
+        imply harmless weights. A top-k exchange (`sparse`) is judged against the other
+        partners' top-k exchanges of the unit: it carries only the largest moves, so beside
+        dense exchanges' full disagreement it would look small, and a dense one (a pair's
+        first) beside sparse ones would be clipped and its partner distrusted."""
         pdiff = remote.sub_(mine)  # no copy: the payload itself is not needed again
         first = lambda: self.merge.first_scale(unit, snap)  # noqa: E731  (only when needed)
+        key = ~unit if sparse else unit  # the guard's history: -1 - unit for top-k
         if self.merge.payload_kind == "weights":
             # clipped in place, or refused
-            trust = self.guard.admit(unit, snap, pdiff, sender, first).trust
+            trust = self.guard.admit(key, snap, pdiff, sender, first).trust
             # after the clip: what this exchange could remove (the selector's drift)
             return pdiff, None, relative_disagreement(snap, pdiff), trust
-        trust = self.guard.admit(unit, mine, pdiff, sender, first).trust
+        trust = self.guard.admit(key, mine, pdiff, sender, first).trust
         remote = pdiff.add_(mine)
         diff = self.merge.weights_of(remote, snap.numel()) - snap
         return diff, remote, relative_disagreement(snap, diff), trust
@@ -364,7 +371,8 @@ class Averager:
                 remote = _as_seen_from(mine, read, remote)
             # trust below 1: clipped lately (not to build on); as judged, not after the
             # reply: another exchange with the same partner may be judged meanwhile
-            diff, remote, _, trust = self._judge(unit, snap, mine, remote, h["from"])
+            diff, remote, _, trust = self._judge(unit, snap, mine, remote, h["from"],
+                                                 held is not None)  # fmt: skip
         except BaseException:
             self._release(unit)
             raise
@@ -398,7 +406,9 @@ class Averager:
         if codec.name != "topk":
             raise Rejected("schema", f"a reference with codec {codec.name}")
         held = self.refs.get(h["from"], unit)
-        if held is None or held[0] != tag or held[1].numel() != n_pay:
+        # a new rid equal to the tag would, should the reply be lost, leave both ends on
+        # one tag with two references: refused like a mismatch (a 2^-40 chance)
+        if held is None or held[0] != tag or held[1].numel() != n_pay or h["rid"] == tag:
             self.refs.drop(h["from"], unit)
             return False
         return held

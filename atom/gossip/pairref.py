@@ -9,18 +9,19 @@ point: after every exchange both ends set
 from the decoded payloads, which both ends hold bit for bit (the same elementwise fp32
 arithmetic on the same inputs). The next exchange of that unit between the two sends the k
 largest entries of payload - r (int32 indices, blockwise int8 values); the partner reads
-r + q. What top-k leaves out stays in payload - r and goes out in a later exchange with that
-partner: the error feedback of CHOCO-gossip (Koloskova et al. 2019) and of SparseLoCo,
-with no buffer of its own (each merge halves what is left: the two ends moved towards each
-other's reconstruction).
+r + q. Both ends then move by the difference of the two reconstructions (CHOCO-gossip's
+rule, Koloskova et al. 2019), so what top-k left out stays in payload - r, whole when the
+pair weighs equally, and goes out in a later exchange with that partner: the error
+feedback of CHOCO-gossip and of SparseLoCo, with no buffer of its own.
 
 A pair's first exchange of a unit is dense int8 and sets r. Each reference carries a tag,
 the rid of the exchange that set it; a request names the tag it was built on. A responder
 that holds another (its reply was lost or refused: it moved on, the initiator did not) or
 none (it restarted, or dropped the pair) answers REF_NACK, and both drop theirs: that
 exchange is skipped, the next one is dense. Whatever a partner sends is still judged whole by
-the robust merge (atom/gossip/robust.py): a reference is a shared origin for compression,
-never a source of weights.
+the robust merge (atom/gossip/robust.py) before anything is merged: a reference is a shared
+origin for compression (it holds the payloads as sent, so what a clip held back once is
+offered, and judged, again in later exchanges).
 
 Costs one fp32 copy of a unit's payload per partner that exchanged it: at most `partners`
 partners are kept, the least recently used dropped whole (its next exchange is dense).

@@ -109,6 +109,8 @@ class GossipPeer:
         self.log = PeerLog(log, {"peer": self.id})
         self.limiter = LogLimiter(self.log)
         largest = max(params.numel(u) for u in params.units)
+        if gcfg.strategy == "noloco":  # its payload: outer weights and pseudo-gradient
+            largest *= 2
         self.max_bytes = (
             int(gcfg.max_message_mb * 2**20)
             if gcfg.max_message_mb > 0

@@ -124,25 +124,27 @@ class Int8Codec(Codec):
 
 
 SAMPLE = 16384  # entries a threshold is estimated from (top-k of a large unit)
-# primes: the sample's positions i x stride mod n spread over the unit (no RNG drawn);
-# the second for a unit whose size is a multiple of the first
-_STRIDES = (1_000_003, 999_983)
+_PRIME = 1_000_003  # varies each sample's place inside its stretch (no RNG drawn)
 
 
 def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted indices of about the k largest entries of `mag` (>= 0). Exact for small
-    tensors; for large ones every entry at or above the sample's (1 - k/n) quantile
-    (DGC's sampled threshold, Lin et al. 2018): 5x faster than torch.topk on a 2M-entry
-    unit, within a few percent of k. The sample is deterministic: the training RNG is
-    not touched from gossip threads."""
+    tensors; for large ones every entry at or above the (1 - k/n) quantile of a sample
+    (DGC's sampled threshold, Lin et al. 2018): 3x faster than torch.topk on a
+    2M-entry unit. The sample is stratified, one entry from each of SAMPLE equal
+    stretches of the unit (a unit's halves can differ in scale: an embedding's rows, a
+    block's matrices), at a place that varies from stretch to stretch (rows of equal
+    width must not put it in one column), and deterministic: no RNG is drawn from the
+    gossip threads, which would change training's. When it misses (fewer than k/2 or
+    more than 2k above the threshold) the exact top-k is taken."""
     n = mag.numel()
     if n > 4 * SAMPLE and 2 * k < n:
-        stride = _STRIDES[n % _STRIDES[0] == 0]
-        pos = torch.arange(SAMPLE, dtype=torch.int64).mul_(stride).remainder_(n)
+        i = torch.arange(SAMPLE, dtype=torch.int64)
+        pos = i * n // SAMPLE + (i * _PRIME) % (n // SAMPLE)
         rank = max(1, SAMPLE - round(SAMPLE * k / n))  # kthvalue counts from the smallest
         threshold = torch.kthvalue(mag[pos], rank).values
         idx = (mag >= threshold).nonzero().squeeze(1)  # in increasing order
-        if 0 < idx.numel() <= 2 * k:
+        if k // 2 <= idx.numel() <= 2 * k:
             return idx
     return torch.topk(mag, k, sorted=False).indices.sort().values
 
