@@ -386,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=2, help="repeats of a disturbed run")
     ap.add_argument("--redo", action="store_true", help="re-run undisturbed runs in --work too")
     ap.add_argument("--docs", default="docs", help="where the figures go")
+    ap.add_argument("--target", type=float, help="report: time to this val loss (default: "
+                    "the lowest loss every atom run and the reference reached)")  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.what == "contention":  # no root needed: re-measure the compute scale alone
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("report", "all"):
         from tools.baselines.report import report
 
-        report(Path(args.work), Path(args.docs))
+        report(Path(args.work), Path(args.docs), args.target)
     return 0
 
 

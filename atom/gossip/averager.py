@@ -32,7 +32,7 @@ from atom.config import ConfigError
 from atom.gossip.membership import PeerState, PeerTable, ewma
 from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
 from atom.gossip.net.client import Client
-from atom.gossip.net.codecs import Codec, decode_checked, get_codec, roundtrip
+from atom.gossip.net.codecs import Codec, check_finite, decode_checked, get_codec, roundtrip
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.transport import Incoming, Reply
 from atom.gossip.net.wire import Rejected
@@ -187,13 +187,11 @@ class Averager:
         mine = self.merge.payload(unit, snap)  # the weights, or noloco's [outer; pseudo-grad]
         h = self.header("xreq", self.client.next_rid(), partner.id)
         n_pay = self.merge.payload_numel(n)
-        held = self.refs.get(partner.id, unit) if codec.name == "topk" else None
-        if held is not None and held[1].numel() == n_pay:  # top-k against it (pairref.py)
-            metas, buffers, sent = codec.encode_sparse(mine - held[1])
-            sent.add_(held[1])  # what the partner will read
+        held = self.refs.get(partner.id, unit, n_pay) if codec.name == "topk" else None
+        if held is not None:  # top-k against it (pairref.py); sent: what the partner reads
+            metas, buffers, sent = codec.encode_against(mine, held[1])
             h["ref"] = held[0]
         else:
-            held = None
             metas, buffers = codec.encode(mine)  # may share mine's memory: never written
             # what the partner will decode: an int8 reply is a delta against exactly that
             sent = roundtrip(codec, mine) if codec.delta_replies else mine
@@ -239,12 +237,11 @@ class Averager:
             if kept not in ((held[0],) if held is not None else allowed):
                 raise Rejected("schema", "the reply's reference is not the request's")
             if held is not None:
-                remote = _finite(codec.decode_sparse(rh["tensors"], reply.frames, n_pay)
-                                 .add_(held[1]))  # fmt: skip
+                remote = codec.decode_against(rh["tensors"], reply.frames, held[1])
             else:
                 remote = decode_checked(codec, rh["tensors"], reply.frames, n_pay)
                 if rh.get("delta"):
-                    remote = _finite(sent + remote)
+                    remote = check_finite(sent + remote)
             new_ref = None
             if kept is not None:
                 new_ref = next_reference(sent, remote)
@@ -346,16 +343,14 @@ class Averager:
                 self.counters.inc("served.resync")
                 return _refuse(base, "nack", REF_NACK)
             if held is not None:
-                remote = _finite(codec.decode_sparse(h["tensors"], incoming.frames, n_pay)
-                                 .add_(held[1]))  # fmt: skip
+                remote = codec.decode_against(h["tensors"], incoming.frames, held[1])
             else:
                 remote = decode_checked(codec, h["tensors"], incoming.frames, n_pay)
             snap = self.params.snapshot(unit)
             mine = self.merge.payload(unit, snap)
             read = None  # what the partner will read of our reply (topk: for the reference)
             if held is not None:
-                metas, buffers, read = codec.encode_sparse(mine - held[1])
-                read.add_(held[1])
+                metas, buffers, read = codec.encode_against(mine, held[1])
                 base["ref"] = held[0]
             elif codec.delta_replies:
                 # int8 replies are deltas against the request (small numbers, small rounding)
@@ -405,10 +400,10 @@ class Averager:
             return None
         if codec.name != "topk":
             raise Rejected("schema", f"a reference with codec {codec.name}")
-        held = self.refs.get(h["from"], unit)
+        held = self.refs.get(h["from"], unit, n_pay)
         # a new rid equal to the tag would, should the reply be lost, leave both ends on
         # one tag with two references: refused like a mismatch (a 2^-40 chance)
-        if held is None or held[0] != tag or held[1].numel() != n_pay or h["rid"] == tag:
+        if held is None or held[0] != tag or h["rid"] == tag:
             self.refs.drop(h["from"], unit)
             return False
         return held
@@ -531,12 +526,6 @@ def _as_seen_from(mine: torch.Tensor, read: torch.Tensor, remote: torch.Tensor) 
     of either payload stays in payload - reference for a later exchange instead of being
     merged away (x - remote would pull us back towards the partner's idea of us)."""
     return remote.sub_(read).add_(mine)
-
-
-def _finite(t: torch.Tensor) -> torch.Tensor:
-    if not bool(torch.isfinite(t).all()):
-        raise Rejected("nonfinite", "the decoded payload overflows")
-    return t
 
 
 def _refuse(header: dict[str, Any], kind: str, reason: str, unit: int | None = None) -> Reply:

@@ -52,12 +52,16 @@ class PairRefs:
         )
         self._lock = threading.Lock()
 
-    def get(self, partner: str, unit: int) -> tuple[int, torch.Tensor] | None:
-        """(tag, reference) of the pair's unit; the tensor is never written (a new one
-        replaces it), so it may be read without the lock."""
+    def get(self, partner: str, unit: int, numel: int | None = None,
+            ) -> tuple[int, torch.Tensor] | None:  # fmt: skip
+        """(tag, reference) of the pair's unit, None if there is none (or, `numel` given,
+        none of that size); the tensor is never written (a new one replaces it), so it may
+        be read without the lock."""
         with self._lock:
             units = self._refs.get(partner)
             if units is None or unit not in units:
+                return None
+            if numel is not None and units[unit][1].numel() != numel:
                 return None
             self._refs.move_to_end(partner)
             return units[unit]

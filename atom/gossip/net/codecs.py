@@ -164,8 +164,8 @@ class TopKCodec(Int8Codec):
     def encode_sparse(self, delta: torch.Tensor) -> tuple[list[dict], list[Any], torch.Tensor]:
         """(metas, buffers, what the receiver will decode, dense) for the k largest
         entries of `delta` by magnitude; the rest is left for a later exchange."""
-        idx = largest(delta.abs(), self.keep(delta.numel()))
         n = delta.numel()
+        idx = largest(delta.abs(), self.keep(n))
         vmetas, vbufs = super().encode(delta[idx])
         vals = super().decode(vmetas, vbufs, idx.numel())
         sent = torch.zeros(n, dtype=torch.float32).index_put_((idx,), vals)
@@ -185,6 +185,16 @@ class TopKCodec(Int8Codec):
         vals = super().decode(metas[1:], frames[1:], k)
         return torch.zeros(n, dtype=torch.float32).index_put_((idx,), vals)
 
+    def encode_against(self, payload: torch.Tensor, ref: torch.Tensor):
+        """encode_sparse of payload - ref; the third item is what the receiver reads:
+        ref + the decoded difference."""
+        metas, buffers, sent = self.encode_sparse(payload - ref)
+        return metas, buffers, sent.add_(ref)
+
+    def decode_against(self, metas: list[dict], frames: list, ref: torch.Tensor) -> torch.Tensor:
+        """ref + the difference a sparse message carries, checked finite."""
+        return check_finite(self.decode_sparse(metas, frames, ref.numel()).add_(ref))
+
     def wire_bytes(self, n: int) -> int:
         """A sparse exchange's bytes (the first one of a pair is int8's)."""
         k = self.keep(n)
@@ -202,13 +212,18 @@ def get_codec(name: str, topk_fraction: float | None = None) -> Codec:
     return CODECS[name]
 
 
-def decode_checked(codec: Codec, metas: list[dict], frames: list, n: int) -> torch.Tensor:
-    """decode + the finiteness check every received tensor must pass."""
-    out = codec.decode(metas, frames, n)
+def check_finite(out: torch.Tensor) -> torch.Tensor:
+    """`out`, or Rejected("nonfinite") if it holds NaN or Inf: the check every received
+    tensor, and whatever is computed from it, must pass."""
     # one reduction instead of a boolean copy; a sum that overflows gets the full check
     if not math.isfinite(float(out.sum())) and not bool(torch.isfinite(out).all()):
         raise Rejected("nonfinite", "tensor holds NaN or Inf")
     return out
+
+
+def decode_checked(codec: Codec, metas: list[dict], frames: list, n: int) -> torch.Tensor:
+    """decode + the finiteness check every received tensor must pass."""
+    return check_finite(codec.decode(metas, frames, n))
 
 
 def roundtrip(codec: Codec, x: torch.Tensor) -> torch.Tensor:
