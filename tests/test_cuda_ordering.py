@@ -139,7 +139,9 @@ def test_a_gradient_copied_out_before_it_is_written_is_caught(monkeypatch):
     """d2h with no compute marker: the copy stream reads a gradient the compute stream
     may not have finished writing."""
     real_d2h = CudaBackend.d2h
-    monkeypatch.setattr(CudaBackend, "d2h", lambda self, src, after: real_d2h(self, src, None))
+    monkeypatch.setattr(
+        CudaBackend, "d2h", lambda self, src, after, abort=None: real_d2h(self, src, None, abort)
+    )
     backend, sim = cuda_backend(monkeypatch, 1 << 16)
     _train(_config({}), backend, sim, steps=1)
     assert any("reads" in v for v in sim.violations), sim.violations[:3]

@@ -123,10 +123,17 @@ class Backend:
         averaging) never lands half-way through a copy."""
         raise NotImplementedError
 
-    def d2h(self, src: torch.Tensor | list[torch.Tensor], after: object | None) -> Transfer:
+    def d2h(
+        self,
+        src: torch.Tensor | list[torch.Tensor],
+        after: object | None,
+        abort: Callable[[], None] | None = None,
+    ) -> Transfer:
         """Copy device `src` (one flat tensor, or a list of tensors laid out back to back)
         to host; `Transfer.result` is the host data: a tensor, or on the CPU backend the
-        list itself. The caller hands it back with `release_host` once consumed."""
+        list itself. The caller hands it back with `release_host` once consumed (once:
+        a second release is ignored). `abort` is called while waiting for a free host
+        buffer and raises to give up (the consumer of those buffers has failed)."""
         raise NotImplementedError
 
     def release_host(self, t: Transfer) -> None:
@@ -138,6 +145,10 @@ class Backend:
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def reclaim(self, t: torch.Tensor) -> None:
+        """An offloaded activation that will never be fetched (an abandoned step): its host
+        buffer goes back to the pool rather than being freed under a pending copy."""
 
     def wait_compute(self, t: Transfer) -> None:
         raise NotImplementedError
@@ -185,7 +196,7 @@ class CpuBackend(Backend):
 
         return self._copier.submit(job, t)
 
-    def d2h(self, src, after) -> Transfer:
+    def d2h(self, src, after, abort=None) -> Transfer:
         # The gradient already lives in host memory: hand the tensor(s) over, no copy.
         return done_transfer(src)
 
@@ -289,7 +300,7 @@ class CudaBackend(Backend):
         return bufs[: len(requests)]
 
     def record(self) -> object:
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event()  # waited for by streams only: no host thread blocks on it
         ev.record(self.compute)
         return ev
 
@@ -306,7 +317,9 @@ class CudaBackend(Backend):
                     start = torch.cuda.Event(enable_timing=True)
                     start.record(self.h2d_stream)
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event(enable_timing=timed)
+                # blocking: a host wait on it sleeps rather than spinning a core the host
+                # optimizer's threads need (cudaEventBlockingSync)
+                ev = torch.cuda.Event(enable_timing=timed, blocking=True)
                 ev.record(self.h2d_stream)
                 if timed:
                     self._timed.append((start, ev, src.nbytes))
@@ -316,13 +329,13 @@ class CudaBackend(Backend):
 
         return self._copier.submit(job, t)
 
-    def d2h(self, src, after) -> Transfer:
+    def d2h(self, src, after, abort=None) -> Transfer:
         srcs = [src] if isinstance(src, torch.Tensor) else list(src)
         numel = sum(t.numel() for t in srcs)
         dtype = srcs[0].dtype
         if self._staging is None:  # no host buffers were asked for (profiler probes)
             self.alloc_host_many([])
-        buf = self._staging.get(timeout=600)
+        buf = self._free_staging(abort)
         host = buf[: numel * srcs[0].element_size()].view(dtype)
         with torch.cuda.stream(self.d2h_stream):
             if after is not None:
@@ -331,7 +344,7 @@ class CudaBackend(Backend):
             for t in srcs:
                 host[offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
                 offset += t.numel()
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)  # the host worker sleeps on it (wait_host)
             ev.record(self.d2h_stream)
         # srcs were made on the compute stream; keep the allocator from reusing them early.
         for t in srcs:
@@ -341,8 +354,29 @@ class CudaBackend(Backend):
         t.issued.set()
         return t
 
+    def _free_staging(self, abort) -> torch.Tensor:
+        """A free staging buffer. Their consumer is the host worker: when it has failed,
+        `abort` raises its error at once instead of this waiting for buffers it holds."""
+        waited = 0.0
+        while True:
+            try:
+                return self._staging.get(timeout=0.5)
+            except queue.Empty:
+                waited += 0.5
+            if abort is not None:
+                abort()
+            if waited >= 600:
+                raise RuntimeError(
+                    "no D2H staging buffer came back within 10 minutes: the host worker "
+                    "that consumes them is stuck"
+                )
+
     def release_host(self, t: Transfer) -> None:
-        self._staging.put(t._buf)  # type: ignore[attr-defined]
+        buf = getattr(t, "_buf", None)
+        if buf is not None:  # once: cleanup paths may release a landing again
+            t._buf = None  # type: ignore[attr-defined]
+            if self._staging is not None:  # None once closed
+                self._staging.put(buf)
 
     def offload(self, t: torch.Tensor) -> torch.Tensor:
         """On the compute stream: ordered after the kernel that made `t` and before the
@@ -356,6 +390,8 @@ class CudaBackend(Backend):
             host = free.pop()
         else:
             arena, (flat,) = pinned.allocate([(t.numel(), t.dtype)])
+            if arena is not None:
+                self._arenas.append(arena)  # released by close(), not by a collection
             self.pinned_bytes += arena.nbytes if arena is not None else flat.nbytes
             host = flat.view(t.shape)
         host.copy_(t, non_blocking=True)
@@ -363,10 +399,13 @@ class CudaBackend(Backend):
 
     def fetch(self, t: torch.Tensor) -> torch.Tensor:
         out = t.to(self.device, non_blocking=True)
-        # Free for the next offload at once: its write is on the compute stream too, so
-        # it runs after this read.
-        self._offload_pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+        self.reclaim(t)
         return out
+
+    def reclaim(self, t: torch.Tensor) -> None:
+        # Free for the next offload at once: its write is on the compute stream too, so
+        # it runs after any read or write of this one already issued.
+        self._offload_pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     def wait_compute(self, t: Transfer) -> None:
         _wait_issued(t)
@@ -393,6 +432,17 @@ class CudaBackend(Backend):
         return torch.cuda.max_memory_allocated(self.device)
 
     def close(self) -> None:
+        """Release the page-locked memory now, not at a later garbage collection: a
+        process that builds engine after engine (gpu_check, benchmarks) must not pin the
+        sum of them. The host store's buffers stay valid as ordinary (pageable) memory."""
         self._copier.close()
-        # The arenas stay page-locked while any tensor may still view them; they are
-        # unregistered when the process (or the last reference) goes.
+        try:
+            self.synchronize()  # no copy may still be reading or writing what goes
+        except Exception:  # a CUDA error that ended the run: the memory goes anyway
+            log.exception("synchronize before releasing pinned memory failed")
+        for arena in self._arenas:
+            arena.release()
+        self._arenas.clear()
+        self._staging = None
+        self._offload_pool.clear()
+        self.pinned_bytes = 0

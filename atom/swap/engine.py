@@ -277,19 +277,30 @@ class SwapEngine:
                 self._advance(plan, pos, u)
             self.slots.release_all()
         except BaseException:
-            self._abandon_step(ledger_at_start)
+            self._abandon_step(ledger_at_start, st)
             raise
         return self._finish_step(st.loss_sum, n_micro)
 
-    def _abandon_step(self, ledger_at_start: int) -> None:
-        """A step that raised (a bad batch, Ctrl+C inside it) leaves nothing half-done:
-        slots are freed, the host worker finishes what it was given, and units whose
-        update was deferred to the end of the step are unblocked without one (their
-        partial gradients are overwritten by the next step's first micro-batch). Without
-        this, the next load or checkpoint would wait for updates never submitted."""
+    def _abandon_step(self, ledger_at_start: int, st: _StepState) -> None:
+        """A step that raised (a bad batch, an OOM, Ctrl+C inside it) leaves nothing
+        half-done: slots are freed, the device finishes what was issued (an offload copy
+        may still be writing a host buffer), offloaded inputs go back to their pool, the
+        host worker finishes what it was given, and units whose update was deferred to
+        the end of the step are unblocked without one (their partial gradients are
+        overwritten by the next step's first micro-batch). Without this, the next load or
+        checkpoint would wait for updates never submitted."""
         try:
             self.slots.release_all()
         finally:
+            try:
+                self.backend.synchronize()
+            except Exception:  # the error that ended the step may be the device's own
+                log.exception("device synchronize failed while abandoning a step")
+            if self.cfg.swap.checkpoint and self.cfg.swap.offload_activations:
+                for (u, _), x in st.saved.items():
+                    if u > 0:  # unit inputs past the embedding were offloaded
+                        self.backend.reclaim(x)
+            st.saved.clear()
             try:
                 self.worker.drain()
             except RuntimeError:
@@ -381,7 +392,9 @@ class SwapEngine:
         """Send a unit's gradient (flat, or per parameter in unit order) to the host worker,
         which copies or adds it into the unit's fp32 host gradient."""
         buf = self.store.buffers[u]
-        transfer = self.backend.d2h(p_grad, self.backend.record())
+        # abort: if the worker failed, the staging buffers it held are coming back, and
+        # its error is what the training thread should raise, at once
+        transfer = self.backend.d2h(p_grad, self.backend.record(), abort=self.worker.check)
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
         nbytes = sum(g.nbytes for g in grads)
         self.ledger.sub(nbytes)
@@ -433,7 +446,9 @@ class SwapEngine:
             elif not self.deferred:
                 self._update(u, 1.0, lr)
 
-        self.worker.submit(land)
+        # the staging buffer goes back in every case: landed, failed, or skipped after
+        # an earlier job failed (release_host is idempotent; land releases it early)
+        self.worker.submit(land, cleanup=lambda: self.backend.release_host(transfer))
 
     def _host_scratch(self, u: int, flat: bool) -> list[torch.Tensor]:
         """fp32 host scratch laid out like unit u (whole, or per parameter). Only the host
@@ -591,10 +606,16 @@ class SwapEngine:
         return self.backend.peak_allocated() or self.ledger.peak
 
     def close(self) -> None:
+        """Finish the host work, then release the device slots and the pinned memory at
+        once (no reference cycle leaves them to a garbage collection)."""
         try:
             self.worker.drain(timeout=60)
         finally:
             self.worker.close()
-            self.backend.close()
+            try:
+                self.backend.synchronize()  # no copy may be using a slot that goes
+            finally:
+                self.slots.close()
+                self.backend.close()
             if self.tier is not None:
                 self.tier.close()

@@ -1,7 +1,12 @@
 """HostWorker: the one thread that does host-side work on units (landing gradients,
 norms, optimizer steps), in submission order, so the training thread never waits for it
 except where a step needs the result (the global norm, a unit's update before its next
-copy). An error is kept and re-raised in the training thread."""
+copy). An error is kept and re-raised in the training thread.
+
+A job may come with a `cleanup` that runs whatever happens to the job: after it, after it
+failed, or in its place when an earlier job failed and the rest are skipped. Landings use
+it to hand their D2H staging buffer back: a buffer held by a skipped landing would leave
+the training thread waiting for one that never comes."""
 
 from __future__ import annotations
 
@@ -24,18 +29,21 @@ class HostWorker:
 
     def __init__(self, on_error: Callable[[], None]):
         self._q: queue.Queue = queue.Queue()
-        self._on_error = on_error
+        self._on_error: Callable[[], None] | None = on_error
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="atom-host-opt", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def submit(self, fn: Callable[[], None], cleanup: Callable[[], None] | None = None) -> None:
+        """Queue `fn`; `cleanup` runs after it in every case (also when this refuses it)."""
+        if self.error is not None and cleanup is not None:
+            _run_cleanup(cleanup)
         self.check()
-        self._q.put(fn)
+        self._q.put((fn, cleanup))
 
     def check(self) -> None:
         if self.error is not None:
-            raise RuntimeError("host optimizer thread failed") from self.error
+            raise RuntimeError(f"host optimizer thread failed: {self.error!r}") from self.error
 
     def drain(self, timeout: float = 600.0) -> None:
         marker = _DrainMarker()
@@ -46,21 +54,33 @@ class HostWorker:
 
     def _run(self) -> None:
         while True:
-            fn = self._q.get()
-            if fn is None:
+            item = self._q.get()
+            if item is None:
                 return
-            if isinstance(fn, _DrainMarker):
-                fn.done.set()
+            if isinstance(item, _DrainMarker):
+                item.done.set()
                 continue
-            if self.error is not None:
-                continue  # after a failure, skip work but keep answering drain()
+            fn, cleanup = item
             try:
-                fn()
+                if self.error is None:  # after a failure, skip work but keep answering drain()
+                    fn()
             except BaseException as err:
                 self.error = err
                 log.exception("host optimizer thread failed")
-                self._on_error()
+                if self._on_error is not None:
+                    self._on_error()
+            finally:
+                if cleanup is not None:
+                    _run_cleanup(cleanup)
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=30)
+        self._on_error = None  # the callback is the engine's: no cycle keeps it alive
+
+
+def _run_cleanup(cleanup: Callable[[], None]) -> None:
+    try:
+        cleanup()
+    except Exception:  # a cleanup must not hide the job's own error
+        log.exception("host worker cleanup failed")

@@ -25,11 +25,22 @@ def page_aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _unregister(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown: CUDA may already be gone
-        pass
+class _Registration:
+    """One cudaHostRegister, undone once: by `PinnedArena.release` or when the memory goes.
+    Twice would fail and leave CUDA's last-error set for torch to raise at a later launch.
+    Holds the address only, never the memory (a finalizer that kept it would never run)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr: int | None = ptr
+
+    def undo(self) -> None:
+        ptr, self.ptr = self.ptr, None
+        if ptr is None:
+            return
+        try:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass
 
 
 def _consume_cuda_error() -> None:
@@ -44,9 +55,10 @@ def _consume_cuda_error() -> None:
 class PinnedArena:
     """Slices of one page-locked allocation. `slices[i]` has `requests[i]`'s numel/dtype.
 
-    The memory is a numpy array that every slice keeps alive; it is unregistered when the
-    last slice goes (weakref.finalize runs before numpy frees it), so a later arena that
-    gets the same addresses can register them again."""
+    The memory is a numpy array that every slice keeps alive; it is unregistered by
+    `release()` (an engine's close) or else when the last slice goes (weakref.finalize
+    runs before numpy frees it), so a later arena that gets the same addresses can register
+    them again. After release the slices are still valid, as ordinary pageable memory."""
 
     def __init__(self, requests: list[tuple[int, torch.dtype]]):
         sizes = [n * torch.empty(0, dtype=dt).element_size() for n, dt in requests]
@@ -60,11 +72,16 @@ class PinnedArena:
         start = (-raw.ctypes.data) % ALIGN
         self.buffer = torch.from_numpy(raw)[start : start + total]
         self._register(self.buffer)
-        weakref.finalize(raw, _unregister, self.buffer.data_ptr())
+        self._registration = _Registration(self.buffer.data_ptr())
+        weakref.finalize(raw, self._registration.undo)
         self.slices = [
             self.buffer[o : o + size].view(dt)[:n]
             for o, size, (n, dt) in zip(offsets, sizes, requests, strict=True)
         ]
+
+    def release(self) -> None:
+        """Unlock the pages now (no copy may be using them: the caller synchronized)."""
+        self._registration.undo()
 
     @staticmethod
     def _register(buf: torch.Tensor) -> None:
@@ -77,6 +94,9 @@ class PinnedArena:
             )
 
 
+_warned = False
+
+
 def allocate(requests: list[tuple[int, torch.dtype]]) -> tuple[PinnedArena | None, list]:
     """An arena for `requests`, or (None, per-buffer pinned tensors from torch's allocator)
     where page-locking an ordinary allocation is refused."""
@@ -84,5 +104,8 @@ def allocate(requests: list[tuple[int, torch.dtype]]) -> tuple[PinnedArena | Non
         arena = PinnedArena(requests)
         return arena, arena.slices
     except (RuntimeError, AttributeError) as err:
-        log.warning("one pinned arena failed (%s); pinning buffer by buffer instead", err)
+        global _warned
+        say = log.debug if _warned else log.warning  # once: offload buffers come by the dozen
+        _warned = True
+        say("one pinned arena failed (%s); pinning buffer by buffer instead", err)
         return None, [torch.empty(n, dtype=dt, pin_memory=True) for n, dt in requests]

@@ -101,6 +101,13 @@ class DeviceSlots:
         for unit in list(self._where):
             self.release(unit)
 
+    def close(self) -> None:
+        """Drop the device buffers (an engine's close): nothing can be loaded after."""
+        self._where.clear()
+        for slot in self.slots:
+            slot.flat = slot.last_use = slot.transfer = None
+            slot.state = "closed"
+
 
 class MemoryLedger:
     """The engine's own account of device bytes: slots + activations it keeps alive."""
