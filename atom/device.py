@@ -11,6 +11,16 @@ from atom.config import Config, ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cuda_has_bf16() -> bool:
+    """bf16 in the GPU's tensor cores (Ampere and newer). `torch.cuda.is_bf16_supported()`
+    counts emulation by default, and says yes on a V100, T4 or RTX 20-series, which run
+    bf16 matmuls several times slower than fp16: those get fp16 with loss scaling."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # a torch without the argument: tensor cores with bf16 are sm_80+
+        return torch.cuda.get_device_capability()[0] >= 8
+
+
 def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     """auto: CUDA when present; bf16 where the GPU has it, fp16 (with loss scaling) where it
     does not (RTX 20-series), fp32 on CPU."""
@@ -29,7 +39,7 @@ def resolve_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
     if cfg.train.dtype != "auto":
         dtype = DTYPES[cfg.train.dtype]
     elif device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        dtype = torch.bfloat16 if cuda_has_bf16() else torch.float16
     else:
         dtype = torch.float32
     if device.type == "cpu" and dtype == torch.float16:

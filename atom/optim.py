@@ -100,7 +100,13 @@ def init_state(opt: torch.optim.Optimizer, param: torch.Tensor, step: int) -> di
     state = opt.state[param]
     if not state:
         if isinstance(opt, torch.optim.AdamW):
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            # where torch's own load_state_dict puts it: on the parameter's device for the
+            # fused and capturable kernels (fused CUDA AdamW refuses a CPU step: a resumed
+            # --resident run on a GPU crashed at its first step), else on the CPU
+            group = next(g for g in opt.param_groups if any(p is param for p in g["params"]))
+            on_param = group.get("fused") or group.get("capturable")
+            device = param.device if on_param else torch.device("cpu")
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
         else:
             state["step"] = step
         for key in STATE_KEYS:

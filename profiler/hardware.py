@@ -374,6 +374,7 @@ def _measure(
     return HardwareSpec(
         name=torch.cuda.get_device_name(device),
         device="cuda",
+        dtype={torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "bf16"),  # measured in
         device_mem=device_mem if device_mem is not None else max(0, free - margin),
         host_mem=host,
         h2d_bps=h2d,

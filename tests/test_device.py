@@ -22,16 +22,21 @@ class _FakeCuda:
     machine whose current CUDA device is `current`; set_device refuses unindexed devices
     exactly as torch does."""
 
-    def __init__(self, current: int = 0, bf16: bool = True):
+    def __init__(self, current: int = 0, bf16: bool = True, emulated_bf16: bool = False):
         self.current, self.bf16, self.set_to = current, bf16, None
+        self.emulated_bf16 = emulated_bf16  # a T4 / V100 / RTX 20: bf16 only by emulation
 
     def install(self, monkeypatch) -> None:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: self.bf16)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", self.is_bf16_supported)
         monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", device))
         monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: ("stream", device))
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        # torch's own answer: emulation counts unless the caller says it does not
+        return self.bf16 or (self.emulated_bf16 and including_emulation)
 
     def set_device(self, device) -> None:
         device = torch.device(device)
@@ -54,6 +59,22 @@ def test_the_current_device_is_the_one_resolved(monkeypatch):
     device, dtype = resolve_device(tiny_config(train={"device": "auto", "dtype": "auto"}))
     assert str(device) == "cuda:2"
     assert dtype == torch.float16  # no bf16 (RTX 20-series): fp16 with loss scaling
+
+
+def test_cards_with_bf16_only_by_emulation_get_fp16(monkeypatch):
+    """torch.cuda.is_bf16_supported() says yes on a T4 (emulation); atom, the profiler's
+    measured spec and the DeepSpeed baseline must all pick fp16 with loss scaling there."""
+    from tools.deepspeed_baseline import ds_config
+
+    _FakeCuda(bf16=False, emulated_bf16=True).install(monkeypatch)
+    assert torch.cuda.is_bf16_supported()  # what used to decide
+    cfg = tiny_config(train={"device": "cuda", "dtype": "auto"})
+    assert resolve_device(cfg)[1] == torch.float16
+    ds = ds_config(cfg, stage=3)
+    assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
+    _FakeCuda(bf16=True).install(monkeypatch)
+    assert resolve_device(cfg)[1] == torch.bfloat16
+    assert ds_config(cfg, stage=2)["bf16"]["enabled"]
 
 
 def test_cuda_backend_accepts_a_bare_cuda_device(monkeypatch):

@@ -164,3 +164,54 @@ def test_swapped_packed_training_equals_plain_pytorch(arch, ckpt, order, accum, 
             assert rel_err(p, ref[name]) <= 1e-5, name
     finally:
         swapped.close()
+
+
+LLAMA_FAMILY = {
+    "llama (GQA)": {"arch": "llama", "n_kv_head": 2},
+    "mistral (GQA, window)": {"arch": "llama", "n_kv_head": 2, "sliding_window": 6},
+    "qwen2 (GQA, qkv bias, window)": {
+        "arch": "llama", "n_kv_head": 1, "qkv_bias": True, "sliding_window": 9,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", LLAMA_FAMILY.values(), ids=LLAMA_FAMILY.keys())
+def test_masked_attention_never_asks_sdpa_for_gqa(model, monkeypatch):
+    """Flash attention takes no mask and memory-efficient attention takes no enable_gqa:
+    a masked call with grouped-query heads could only run on the math kernel (fp32
+    scores, more memory than planned). Every masked call must come with as many K/V heads
+    as query heads, and give what SDPA's own GQA gives."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+    calls = []
+
+    def recording(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+        calls.append((attn_mask is not None, enable_gqa, q.size(1), k.size(1)))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    net = _model(**model)
+    _, row, positions = _packed([7, 12, 13])
+    loss = net(row, row.roll(-1, 1), docs=Documents(positions))[1]  # packed documents
+    loss.backward()
+    net(row, row.roll(-1, 1))  # a window shorter than the row (mistral, qwen2): a band mask
+    masked = [c for c in calls if c[0]]
+    assert masked, "no masked call was made: the test would prove nothing"
+    assert all(not gqa and q_heads == kv_heads for _, gqa, q_heads, kv_heads in masked), masked
+
+
+def test_expanded_heads_attend_as_sdpa_gqa_does():
+    import torch.nn.functional as F
+
+    from atom.model.sdpa import attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 10, 16, generator=g)
+    k, v = torch.randn(2, 2, 10, 16, generator=g), torch.randn(2, 2, 10, 16, generator=g)
+    mask = torch.rand(2, 1, 10, 10, generator=g) < 0.7
+    mask |= torch.eye(10, dtype=torch.bool)  # every query sees at least itself
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(attention(q, k, v, mask=mask), want)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(attention(q, k, v, causal=True), causal)

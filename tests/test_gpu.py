@@ -66,3 +66,24 @@ def test_cuda_bf16_tracks_fp32():
             assert abs(a - b) / b < 2e-2
     finally:
         swapped.close()
+
+
+def test_a_resident_run_resumes_on_cuda():
+    """A --resident checkpoint loaded into a fresh CUDA engine takes its next step (the
+    fused CUDA AdamW refused the CPU `step` init_state made) and continues like the
+    unbroken run."""
+    cfg = tiny_config(train={"device": "cuda"})
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    first = ResidentEngine(cfg, dev, torch.float32)
+    for step in range(2):
+        first.train_step(batches_for(step, cfg), lr_at(step, cfg.train))
+    tensors = {k: v.clone() for _, files in first.state_files() for k, v in files.items()}
+    resumed = ResidentEngine(cfg, dev, torch.float32)
+    resumed.load_state(tensors.__getitem__, has_optim=True, steps=first.optimizer_steps())
+    lr = lr_at(2, cfg.train)
+    a = resumed.train_step(batches_for(2, cfg), lr).loss
+    b = first.train_step(batches_for(2, cfg), lr).loss
+    assert abs(a - b) / b <= 1e-5
+    for name, p in first.named_parameters().items():
+        assert rel_err(resumed.named_parameters()[name], p) <= 1e-5, name

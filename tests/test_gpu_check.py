@@ -19,8 +19,8 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path, monkeypatch):
     assert gpu_check.main([str(tmp_path / "report"), "--dry-run"]) == 0
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     sections = report["sections"]
-    assert set(sections) == {"env", "bandwidth", "tests", "equivalence", "fits", "tiers", "big",
-                             "deepspeed"}  # fmt: skip
+    assert set(sections) == {"env", "bandwidth", "tests", "attention", "equivalence", "fits",
+                             "tiers", "big", "deepspeed"}  # fmt: skip
     assert report["failed"] == []
     assert sections["equivalence"]["worst_fp32_rel_err"] <= 1e-5
     big = sections["big"]
@@ -60,3 +60,46 @@ def test_a_child_past_its_time_is_killed_with_its_children():
     code, out = gpu_proc.run_child(["-c", script], timeout=2)
     assert code == 124 and "timed out after 2 s" in out
     assert time.monotonic() - t0 < 15
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """`atom profile`'s plan for the dry run's `big` model; (report dir, child env)."""
+    tmp = tmp_path_factory.mktemp("big")
+    out = tmp / "report"
+    out.mkdir()
+    env = {"GPU_CHECK_OUT": str(out), "ATOM_CACHE": str(tmp / "cache")}
+    argv = ["-m", "atom.cli", "profile", "--config", "tiny", "--gpu-mem", "1GiB",
+            "--batch", "8", "--out", str(out / "plan.json")]  # fmt: skip
+    code, log = gpu_proc.run_child(argv, timeout=300, env=env)
+    assert code == 0, log
+    return out, env
+
+
+def _train_child(out, env, patch: str) -> tuple[int, dict]:
+    """gpu_check's `big` training child with `patch` run first; (exit, big_train.json)."""
+    (out / "big_train.json").unlink(missing_ok=True)
+    plan = str(out / "plan.json")
+    script = (f"import os, signal, tools.gpu_proc, tools.gpu_steps as s; {patch}; "
+              f"s.train_child({plan!r}, 'tiny', '1GiB', 1, True, [])")  # fmt: skip
+    code, log = gpu_proc.run_child(["-c", script], timeout=300, env=env)
+    assert (out / "big_train.json").exists(), log
+    return code, json.loads((out / "big_train.json").read_text())
+
+
+@pytest.mark.slow
+def test_big_keeps_its_numbers_when_the_budget_kills_it(tiny_plan):
+    """SIGKILLed (the budget's end) in the schedule variants: the main step's figures were
+    written when they existed (they used to be written in a `finally` that never ran)."""
+    kill = "s._schedule_variants = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)"
+    code, res = _train_child(*tiny_plan, kill)
+    assert code == -9
+    assert res["tokens_per_s"] > 0 and res["step_s"] > 0 and "variants" not in res
+
+
+@pytest.mark.slow
+def test_big_skips_the_variants_the_budget_cannot_fit(tiny_plan):
+    code, res = _train_child(*tiny_plan, "tools.gpu_proc.seconds_left = lambda: 0.0")
+    assert code == 0 and res["tokens_per_s"] > 0
+    assert len(res["variants"]) == 3
+    assert all("out of the time budget" in v["skipped"] for v in res["variants"])

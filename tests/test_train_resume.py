@@ -255,3 +255,24 @@ def test_validation_loss_is_said_as_it_is_measured(tmp_path, text_dataset, caplo
     said = [r.getMessage() for r in caplog.records if "val loss" in r.getMessage()]
     assert [m.split(":")[0] for m in said] == ["step 3", "step 6"]
     assert "perplexity" in said[0] and "train loss" in said[0]
+
+
+@pytest.mark.parametrize("kind", ["capturable", "fused"])
+def test_a_resumed_optimizer_step_count_sits_where_its_kernel_reads_it(kind):
+    """Fused and capturable AdamW read `step` on the parameter's device (the fused CUDA
+    kernel refuses a CPU one: a resumed --resident run on a GPU crashed at its first
+    step). Where torch's own load_state_dict puts it, init_state must too; meta params
+    stand in for a device the CPU is not (the fused kernel is built for cpu/cuda only)."""
+    from atom.optim import init_state
+
+    device = "meta" if kind == "capturable" else "cpu"
+    p = torch.nn.Parameter(torch.zeros(4, device=device))
+    opt = torch.optim.AdamW([p], **{kind: True})
+    state = init_state(opt, p, 7)
+    theirs = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4, device=device))], **{kind: True})
+    theirs.load_state_dict({"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.zeros(4),
+                                          "exp_avg_sq": torch.zeros(4)}},
+                            "param_groups": theirs.state_dict()["param_groups"]})  # fmt: skip
+    want = next(iter(theirs.state.values()))["step"]
+    assert state["step"].device == want.device == p.device
+    assert state["step"].dtype == want.dtype == torch.float32

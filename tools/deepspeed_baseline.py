@@ -32,6 +32,7 @@ import time
 import torch
 
 from atom.config import Config, load_config
+from atom.device import cuda_has_bf16
 from atom.model import build_model
 from atom.sizes import parse_bytes
 
@@ -43,7 +44,7 @@ def ds_config(cfg: Config, stage: int) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     else:
         zero.update(overlap_comm=True, contiguous_gradients=True)
-    bf16 = torch.cuda.is_bf16_supported()
+    bf16 = cuda_has_bf16()  # as atom chooses: emulated bf16 is not bf16
     return {
         "train_micro_batch_size_per_gpu": tc.micro_batch,
         "gradient_accumulation_steps": tc.grad_accum,

@@ -4,7 +4,10 @@
     python3 -m tools.gpu_check OUT_DIR --dry-run       # CPU: the same sections, tiny shapes
 
 Needs only torch and the project's pure-Python dependencies (no pyzmq, no DeepSpeed: those
-sections say they were skipped). Every section but `env` runs in a child process (a crash
+sections say they were skipped). Wheels carried in the checkout's .whl/ folder (copied from
+../shared/wheels, which does not travel) are installed under OUT/site first when pyzmq or
+DeepSpeed does not import, so the DeepSpeed baseline runs on a machine without network.
+Every section but `env` runs in a child process (a crash
 or hang cannot take the rest down), all of them within one time budget (`--budget`,
 default 540 s: each child's timeout is what is left of it, and a section that would start
 with less than its minimum is skipped with a line saying so), and each is written to
@@ -16,6 +19,8 @@ Sections:
   env          device, torch/CUDA versions, memory
   bandwidth    pinned (and pageable) host<->device GB/s at 256 MiB
   tests        the gpu-marked tests (swap == resident in fp32 on CUDA, bf16 tracks fp32)
+  attention    llama/mistral/qwen2 attention (GQA, packed documents, windows) runs forward
+               and backward with SDPA restricted to its fused kernels
   equivalence  swapped vs resident on CUDA, fp32 and bf16, every schedule knob
   fits         a model that fits the card: swapped vs resident step time, side by side
   big          `atom profile` then training steps of a model that does not fit the
@@ -39,8 +44,9 @@ import time
 import traceback
 from pathlib import Path
 
-from tools.gpu_proc import DEADLINE_ENV, SkipSection, run_child, seconds_left
+from tools.gpu_proc import DEADLINE_ENV, ROOT, SkipSection, run_child, seconds_left
 from tools.gpu_sections import (
+    attention_section,
     bandwidth_section,
     big_section,
     deepspeed_section,
@@ -87,8 +93,8 @@ class Report:
 
 
 # The least time (s) a section needs to say anything useful; with less left it is skipped.
-MIN_SECONDS = {"env": 5, "bandwidth": 20, "tests": 60, "equivalence": 60, "fits": 60,
-               "tiers": 60, "big": 120, "deepspeed": 90}  # fmt: skip
+MIN_SECONDS = {"env": 5, "bandwidth": 20, "tests": 60, "attention": 20, "equivalence": 60,
+               "fits": 60, "tiers": 60, "big": 120, "deepspeed": 90}  # fmt: skip
 
 
 def call_section(fn, *args) -> dict:
@@ -140,6 +146,30 @@ def run_section(report: Report, name: str, fn, *args, isolate: bool = True) -> d
     return result
 
 
+def carried_wheels(out: Path) -> str | None:
+    """The GPU machine has no pyzmq or DeepSpeed and no network: wheels carried in the
+    checkout's .whl/ (../shared/wheels/README.md) are installed under OUT/site when what
+    they provide does not import, and put on the path of this process and its children.
+    The folder installed into, or None."""
+    import importlib.util
+
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    if not wheels or all(importlib.util.find_spec(m) for m in ("zmq", "deepspeed")):
+        return None
+    site = out / "site"
+    code, log = run_child(["-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                           "--no-compile", "--upgrade", "--target", str(site),
+                           *map(str, wheels)], timeout=120)  # fmt: skip
+    if code != 0:
+        print(f"gpu_check: installing the carried wheels failed:\n{log[-1500:]}", flush=True)
+        return None
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p
+    )
+    return str(site)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--train-child":
@@ -185,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[DEADLINE_ENV] = str(time.time() + args.budget)
     os.environ.setdefault("ATOM_CACHE", str(out / "cache"))
     report = Report(out, args.dry_run)
+    if not args.dry_run:
+        report.data["wheels"] = carried_wheels(out)
     # the model, cap and batch that `big` trains and the DeepSpeed baseline runs
     model_args = (args.config, args.gpu_mem, args.batch, args.steps, args.overrides)
     failed = []
@@ -207,6 +239,7 @@ SECTIONS = {
     "env": env_section,
     "bandwidth": bandwidth_section,
     "tests": tests_section,
+    "attention": attention_section,
     "equivalence": equivalence_section,
     "fits": fits_section,
     "tiers": tiers_section,

@@ -25,7 +25,10 @@ class SkipSection(Exception):
 
 def run_child(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """Run a child python; its output (last part) and exit code. A hang is killed."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+    # the project first, then what the caller's PYTHONPATH had (the GPU machine's wheels
+    # installed with --target: without them a child cannot import what the parent could)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
     timeout = max(1.0, min(timeout, seconds_left() - 1))  # never past the budget
     # its own process group: a timeout kills the grandchildren too (a compiler DeepSpeed
     # started would otherwise hold the pipes open past the budget)

@@ -17,6 +17,8 @@ from tools.gpu_steps import random_batches, time_steps
 def env_section(dry: bool) -> dict:
     import torch
 
+    from atom.device import cuda_has_bf16
+
     info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -31,7 +33,8 @@ def env_section(dry: bool) -> dict:
             capability=f"{props.major}.{props.minor}",
             memory_gib=round(total / 2**30, 1),
             free_gib=round(free / 2**30, 1),
-            bf16=torch.cuda.is_bf16_supported(),
+            bf16=cuda_has_bf16(),  # in hardware: what atom trains in
+            bf16_emulated=torch.cuda.is_bf16_supported() and not cuda_has_bf16(),
         )
     elif not dry:
         raise RuntimeError("no CUDA device visible; use --dry-run on a CPU machine")
@@ -279,11 +282,22 @@ def tiers_section(dry: bool) -> dict:
                        "step_s": statistics.median(times[1:])}  # fmt: skip
                 if ref is None:
                     ref = (losses, params)
-                elif state == "fp32":  # the tier must not change a bit
+                elif state == "fp32":  # the tier moves host state bit for bit
                     row["bit_identical"] = losses == ref[0] and all(
                         torch.equal(params[n], p) for n, p in ref[1].items()
                     )
-                    ok &= row["bit_identical"]
+                    # On CUDA two runs differ by the device's own nondeterminism (flash
+                    # attention's backward accumulates in a racy order): what is
+                    # guaranteed is agreement to rounding, not bits. On CPU: bits.
+                    row["max_param_rel_err_vs_ram"] = max(
+                        float((params[n] - p).norm() / (p.norm() + 1e-12))
+                        for n, p in ref[1].items()
+                    )
+                    ok &= row["bit_identical"] or (
+                        not dry
+                        and max(abs(a - b) / b for a, b in zip(losses, ref[0], strict=True)) < 1e-3
+                        and row["max_param_rel_err_vs_ram"] < 1e-3
+                    )
                 else:
                     row["max_loss_rel_err_vs_fp32"] = max(
                         abs(a - b) / b for a, b in zip(losses, ref[0], strict=True)
@@ -292,8 +306,58 @@ def tiers_section(dry: bool) -> dict:
                 rows.append(row)
     compact_ram = next(r for r in rows if r["state"] == "compact" and not r["disk"])["losses"]
     compact_disk = next(r for r in rows if r["state"] == "compact" and r["disk"])["losses"]
-    ok &= compact_ram == compact_disk
+    ok &= compact_ram == compact_disk or (
+        not dry
+        and max(abs(a - b) / b for a, b in zip(compact_disk, compact_ram, strict=True)) < 1e-3
+    )
     return {"status": "ok" if ok else "FAILED", "rows": rows}
+
+
+def attention_section(dry: bool) -> dict:
+    """Every attention call of the LLaMA family (llama, mistral's window, qwen2's biases
+    and window; grouped-query heads) with packed documents and with a window shorter than
+    the sequence runs on a fused kernel: forward and backward under `sdpa_kernel`
+    restricted to flash, memory-efficient and cuDNN attention, where a call only the math
+    kernel could serve raises."""
+    if dry:
+        raise SkipSection("fused attention kernels need CUDA (dry run)")
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from atom.config import Config
+    from atom.model import build_model, materialize
+    from atom.model.documents import Documents, positions_in_documents
+
+    dev = torch.device("cuda", 0)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION]  # fmt: skip
+    family = {"llama": {}, "mistral": {"sliding_window": 256},
+              "qwen2": {"qkv_bias": True, "sliding_window": 300}}  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    starts = torch.rand(2, 1024, generator=g) < 0.01  # ~10 documents a row
+    rows = []
+    for name, extra in family.items():
+        model = {"arch": "llama", "n_layer": 2, "n_head": 8, "n_kv_head": 2, "d_model": 512,
+                 "seq_len": 1024, "vocab_size": 256, **extra}  # fmt: skip
+        cfg = Config.from_dict({"model": model})
+        net = materialize(build_model(cfg.model), 0, device=dev, dtype=torch.bfloat16)
+        x = torch.randint(0, 256, (2, 1024), generator=g).to(dev)
+        for case in ("packed documents", "one stream"):
+            docs = (
+                Documents.on(positions_in_documents(starts), dev) if case != "one stream" else None
+            )
+            row = {"model": name, "case": case}
+            try:
+                with sdpa_kernel(fused):
+                    net(x, x.roll(-1, 1), docs=docs)[1].backward()
+                torch.cuda.synchronize()
+                row["ok"] = True
+            except RuntimeError as err:  # "No available kernel": the math kernel's alone
+                row.update(ok=False, error=str(err)[:400])
+            rows.append(row)
+        del net
+    failed = [r for r in rows if not r["ok"]]
+    return {"status": "FAILED" if failed else "ok", "rows": rows}
 
 
 def card_cap(gpu_mem: str, dry: bool) -> tuple[str, str | None]:
@@ -329,6 +393,7 @@ def big_section(
     process that cannot use more than the cap."""
     out = Path(os.environ["GPU_CHECK_OUT"])
     plan = out / "plan.json"
+    (out / "big_train.json").unlink(missing_ok=True)  # an earlier check's is not this one's
     if dry:
         config, gpu_mem, batch = "tiny", "1GiB", 8
     gpu_mem, lowered = card_cap(gpu_mem, dry)
@@ -422,6 +487,9 @@ def deepspeed_section(
              "--steps", str(max(2, steps - 1)), *(["--recompute"] if recompute else []),
              *sets],
             timeout=300,
+            # DeepSpeed refuses to JIT-build its CPU Adam when nvcc's CUDA version differs
+            # from the one torch was built with; the op is CPU code, so the check is moot
+            env={"DS_SKIP_CUDA_CHECK": "1"},
         )  # fmt: skip
         lines = [line for line in log.splitlines() if line.startswith("{")]
         ds = json.loads(lines[-1]) if lines else {"exit": code, "log": log[-2000:]}

@@ -85,6 +85,14 @@ def train_child(
     }
     backend = engine.backend
     backend.time_copies = not dry  # CUDA events around each H2D copy
+    result_file = out / "big_train.json"
+
+    def write() -> None:  # as each result exists: a budget kill must not lose them
+        tmp = result_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=2))
+        tmp.replace(result_file)
+
+    write()
     try:
         loads0 = engine.slots.bytes_loaded
         times = time_steps(engine, cfg, steps)
@@ -118,31 +126,47 @@ def train_child(
             peak_over_predicted=round(peak / plan.prediction["peak_device_bytes"], 3),
             step_over_predicted=round(step_s / plan.prediction["step_s"], 3),
         )
-        res["variants"] = _schedule_variants(engine, cfg, steps, dry)
+        write()
+        res["variants"] = []
+        _schedule_variants(engine, cfg, steps, dry, res["variants"], write, step_s)
     finally:
-        (out / "big_train.json").write_text(json.dumps(res, indent=2))
+        write()
         engine.close()
 
 
-def _schedule_variants(engine, cfg, steps: int, dry: bool) -> list[dict]:
+def _schedule_variants(
+    engine, cfg, steps: int, dry: bool, rows: list, write, step_s: float
+) -> None:
     """The same engine at a larger batch (grad_accum making it up), with each schedule:
-    unit- or micro-batch-major order, exact or eager updates."""
+    unit- or micro-batch-major order, exact or eager updates. Each row is written as it
+    exists; a variant the time budget cannot fit is skipped with a line saying so."""
     import torch
+
+    from tools.gpu_proc import seconds_left
 
     target = 16 if dry else 32
     accum = max(1, target // cfg.train.micro_batch)
+    scale = accum / max(1, cfg.train.grad_accum)
     cfg.train.grad_accum = accum
     tokens = cfg.train.micro_batch * accum * cfg.model.seq_len
-    rows = []
+    n_steps = max(2, steps - 1)
     for order, update in (("unit", "exact"), ("unit", "eager"), ("micro", "exact")):
+        need = (n_steps + 2) * step_s * scale * 1.5 + 10  # warm-up, timed steps, margin
+        if seconds_left() < need:
+            rows.append({"order": order, "update": update,
+                         "skipped": f"out of the time budget ({seconds_left():.0f} s left, "
+                                    f"needs ~{need:.0f} s)"})  # fmt: skip
+            write()
+            continue
         engine.set_schedule(order=order, update=update)
         if not dry:
             torch.cuda.reset_peak_memory_stats()
         h2d0, d2h0 = engine.slots.bytes_loaded, engine.d2h_bytes
         try:
-            times = time_steps(engine, cfg, max(2, steps - 1))
+            times = time_steps(engine, cfg, n_steps)
         except torch.cuda.OutOfMemoryError as err:
             rows.append({"order": order, "update": update, "error": f"OOM: {err}"[:200]})
+            write()
             continue
         n = len(times) + 1
         step_s = statistics.median(times)
@@ -159,4 +183,4 @@ def _schedule_variants(engine, cfg, steps: int, dry: bool) -> list[dict]:
                 "device_peak_gib": round(engine.device_peak_bytes() / 2**30, 2),
             }
         )
-    return rows
+        write()

@@ -14,7 +14,8 @@ Training and evaluation on such data pass a `Documents` through the blocks; plai
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from atom.model.sdpa import attention
 
 IGNORE = -100  # a target that carries no loss (F.cross_entropy's default ignore_index)
 QUERY_CHUNK = 256  # queries per attention call over packed documents
@@ -67,12 +68,11 @@ class Documents:
             self._blocks[window] = out
         return self._blocks[window]
 
-    def attend(self, q, k, v, window: int | None = None, enable_gqa: bool = False):
-        """SDPA of (B, heads, T, hs) queries over their own documents' keys and values."""
+    def attend(self, q, k, v, window: int | None = None):
+        """SDPA of (B, heads, T, hs) queries over their own documents' keys and values
+        (B, kv_heads, T, hs): grouped-query heads keep a fused kernel (atom/model/sdpa.py)."""
         outs = [
-            F.scaled_dot_product_attention(
-                q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], attn_mask=mask, enable_gqa=enable_gqa
-            )
+            attention(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], mask=mask)
             for a, b, lo, mask in self.blocks(window)
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -11,6 +11,7 @@ from torch import nn
 from atom.config import ModelConfig
 from atom.model.common import LanguageModel
 from atom.model.kv_cache import LayerCache, attention_mask
+from atom.model.sdpa import attention
 
 _ROPE_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -142,19 +143,17 @@ class Attention(nn.Module):
         else:
             cos, sin = cos[start : start + T], sin[start : start + T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.n_kv != self.n_head
+        # grouped-query heads (n_kv < n_head) are expanded only where a mask is passed
         if docs is not None:  # and sees only itself (within the window when there is one)
             window = self.window if self.window is not None and self.window < T else None
-            y = docs.attend(q, k, v, window, enable_gqa=gqa)
+            y = docs.attend(q, k, v, window)
         elif kv is not None:  # generation: attend to every cached key the rules allow
             k, v = kv.append(k, v)
-            mask = attention_mask(start, T, self.window, x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = attention(q, k, v, mask=attention_mask(start, T, self.window, x.device))
         elif self.window is not None and self.window < T:  # the window cuts in: a band mask
-            mask = window_mask(T, self.window, x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = attention(q, k, v, mask=window_mask(T, self.window, x.device))
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = attention(q, k, v, causal=True)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, -1))
 
 
