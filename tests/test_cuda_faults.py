@@ -267,12 +267,14 @@ def test_a_planted_reuse_of_a_staging_buffer_is_caught(monkeypatch):
 
     def early_release(self, src, after, abort=None):
         t = real_d2h(self, src, after, abort)
-        self._staging.put(t._buf)
+        with self._staging.not_empty:  # back at the front: the very next copy takes it
+            self._staging.queue.appendleft(t._buf)
+            self._staging.not_empty.notify()
         return t
 
     monkeypatch.setattr(CudaBackend, "d2h", early_release)
     # the landing sleeps in its wait while the next copy is issued
-    sim = _one_late_step(monkeypatch, _config(train={"grad_clip": 0.0}), delay=0.05)
+    sim = _one_late_step(monkeypatch, _config(train={"grad_clip": 0.0}), delay=0.2)
     assert any("on the host reads" in v for v in sim.violations), sim.violations[:3]
 
 

@@ -7,13 +7,20 @@ d_model 256, context 128, one layer per unit, prefetch 1) at micro-batch 4 x 1 a
     python -m tools.bench_swap --rounds 7
     python -m tools.bench_swap --config gpt2-124m --set model.seq_len=256 --rounds 3
 
-Runs alternate between the engines in blocks of --steps consecutive optimizer steps
+Each engine runs in its own process, as a user runs it (two engines in one process share
+OpenMP teams: the resident baseline slowed beside the swapped engine's threads, and the
+ratio read 1.06x where `atom train` against `atom train --resident` read 1.5x). The two
+processes alternate in blocks of --steps consecutive optimizer steps
 (swapped, resident, swapped, ...), so machine noise hits both alike; a block is timed as
 training runs (steps back to back, the host optimizer overlapping the next step), until
 its last host work has finished. The ratio of the medians over rounds is reported, with
 the spread (min-max of per-round ratios). A swapped run with recompute
 (swap.checkpoint: true) is compared with a resident run that also recomputes (activation
 checkpointing per block), so the ratio is the cost of swapping, not of recomputing.
+
+On the CPU it then runs `atom train` and `atom train --resident` on the same config,
+--cli-rounds interleaved pairs, and reports their ratio (median step_time_s of each run
+past its first 5 steps) beside the engines' own: the two must agree.
 
 Per configuration it also reports:
 - H2D bytes per step (counted per copy) and the minimum: every unit once for the forward
@@ -35,12 +42,12 @@ and the bus floor (bytes counted / bandwidth).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import psutil
@@ -125,54 +132,122 @@ def _counters(engine) -> dict:
     }
 
 
-def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True) -> dict:
+def serve(side: str, cfg_json: str, gpu_mem: str | None) -> int:
+    """One engine in this process, as a user runs it: answers `run N` (time N steps as a
+    block) and `stats` on stdin with one JSON line each on stdout, until `quit`."""
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_flush_denormal(True)
+    cfg = Config.from_dict(json.loads(cfg_json))
     device, dtype = resolve_device(cfg)
     cuda = device.type == "cuda"
+    if cuda and gpu_mem:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(gpu_mem) / total), device)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    swapped = build_engine(cfg, resident=False)
-    blocks = {"swapped": Block(swapped, cfg, sync)}
-    blocks["swapped"].run(2)  # warm-up (allocation, first touch, optimizer state), alone:
-    swapped_peak = swapped.device_peak_bytes()  # its peak before a resident model joins
-    resident = None
-    if resident_too:
-        from atom.resident import ResidentEngine
+    reply = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
+    try:
+        if side == "swapped":
+            engine = build_engine(cfg, resident=False)
+        else:
+            from atom.resident import ResidentEngine
 
-        fits = True
-        try:
-            resident = ResidentEngine(cfg, device, dtype, recompute=cfg.swap.checkpoint)
-            blocks["resident"] = Block(resident, cfg, sync)
-            blocks["resident"].run(1)
-        except torch.cuda.OutOfMemoryError:
-            fits = False  # freed below: the exception's traceback holds the model here
-        if not fits:
-            log.warning("resident training does not fit: out of device memory")
-            blocks.pop("resident", None)
-            resident = None
-            gc.collect()
-            torch.cuda.empty_cache()
-    times: dict[str, list[float]] = {k: [] for k in blocks}
-    before = _counters(swapped)
-    swapped_steps = 0
-    for _ in range(rounds):
-        for name in list(blocks):
-            fits = True
+            engine = ResidentEngine(cfg, device, dtype, recompute=cfg.swap.checkpoint)
+        block = Block(engine, cfg, sync)
+        block.run(2 if side == "swapped" else 1)  # warm-up: allocation, first touch, state
+    except torch.cuda.OutOfMemoryError:
+        reply({"oom": True})
+        return 0
+    peak = engine.device_peak_bytes()
+    before, steps = (_counters(engine) if side == "swapped" else {}), 0
+    reply({"ready": True})
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "run":
             try:
-                times[name].append(blocks[name].run(steps))
-                if name == "swapped":
-                    swapped_steps += steps
+                reply({"s_per_step": block.run(int(cmd[1]))})
+                steps += int(cmd[1])
             except torch.cuda.OutOfMemoryError:
-                fits = False
-            if not fits:  # outside the except block, so the failed step can be freed
-                log.warning("resident training does not fit: out of device memory")
-                del blocks[name], times[name]
-                resident = None
-                gc.collect()
-                torch.cuda.empty_cache()
-    after = _counters(swapped)
-    per = {k: (after[k] - before[k]) / swapped_steps for k in after}
-    h2d_min, d2h_min = min_traffic(swapped)
+                reply({"oom": True})
+        elif cmd[0] == "stats":
+            out: dict = {"device_peak_bytes": peak}
+            if side == "swapped" and steps:
+                after = _counters(engine)
+                out["per_step"] = {k: (after[k] - before[k]) / steps for k in after}
+                out["min_traffic"] = min_traffic(engine)
+                if cuda:
+                    unit_numel = max(u.n_total for u in engine.units)
+                    out["pinned_h2d_bps"] = pinned_bandwidth(unit_numel, engine.dtype, device)
+            reply(out)
+    if hasattr(engine, "close"):
+        engine.close()
+    return 0
+
+
+class _Side:
+    """A `serve` child process: one engine, commands on stdin, JSON lines back."""
+
+    def __init__(self, side: str, cfg: Config, gpu_mem: str | None):
+        import subprocess
+
+        argv = [sys.executable, "-m", "tools.bench_swap", "--serve", side,
+                json.dumps(cfg.to_dict())]  # fmt: skip
+        argv += ["--gpu-mem", gpu_mem] if gpu_mem else []
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)  # fmt: skip
+        self.ready = "ready" in self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the benchmark child ended ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+
+
+def bench_config(
+    cfg: Config, rounds: int, steps: int, resident_too: bool = True, gpu_mem: str | None = None
+) -> dict:
+    """Swapped and resident engines, each in its own process (as a user runs them: two
+    engines in one process share OpenMP teams, and the resident baseline measured beside a
+    swapped engine's threads ran slower, flattering the ratio), timed in alternating
+    blocks of `steps` steps."""
+    sides = {"swapped": _Side("swapped", cfg, gpu_mem)}
+    if not sides["swapped"].ready:
+        raise RuntimeError("the swapped engine does not fit the device")
+    if resident_too:
+        sides["resident"] = _Side("resident", cfg, gpu_mem)
+        if not sides["resident"].ready:
+            log.warning("resident training does not fit: out of device memory")
+            sides.pop("resident").close()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    try:
+        for _ in range(rounds):
+            for name in list(sides):
+                r = sides[name].ask(f"run {steps}")
+                if r.get("oom"):
+                    log.warning("resident training does not fit: out of device memory")
+                    sides.pop(name).close()
+                    times.pop(name)
+                    continue
+                times[name].append(r["s_per_step"])
+        stats = sides["swapped"].ask("stats")
+    finally:
+        for side in sides.values():
+            side.close()
+    per = stats["per_step"]
+    h2d_min, d2h_min = stats["min_traffic"]
     result = {
         "swap": cfg.to_dict()["swap"],
         "micro_batch": cfg.train.micro_batch,
@@ -185,7 +260,7 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
         "d2h_min_bytes": d2h_min,
         "load_wait_s_per_step": per["load_wait"],
         "exposed_host_s_per_step": per["opt_wait"] + per["norm_wait"],
-        "device_peak_bytes": swapped_peak,
+        "device_peak_bytes": stats["device_peak_bytes"],
     }
     if "resident" in times:
         ratios = [s / r for s, r in zip(times["swapped"], times["resident"], strict=True)]
@@ -196,18 +271,46 @@ def bench_config(cfg: Config, rounds: int, steps: int, resident_too: bool = True
         result["resident_step_s"] = None
     tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
     result["swapped_tokens_per_s"] = tokens / result["swapped_step_s"]
-    if cuda:
-        unit_numel = max(u.n_total for u in swapped.units)
-        bw = pinned_bandwidth(unit_numel, swapped.dtype, device)
+    if "pinned_h2d_bps" in stats:
+        bw = stats["pinned_h2d_bps"]
         result["pinned_h2d_GBps"] = bw / 1e9
         result["bus_floor_s"] = per["h2d"] / bw
         result["achieved_h2d_fraction"] = per["h2d"] / result["swapped_step_s"] / bw
-    swapped.close()
-    del swapped, resident, blocks
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return result
+
+
+def cli_ratio(cfg: Config, rounds: int, steps: int, tmp: str) -> dict:
+    """`atom train` against `atom train --resident`, each its own process as a user runs
+    it, interleaved: the median of each run's step_time_s (metrics.jsonl) past its first 5
+    steps; the ratio of the medians over rounds and the spread of per-round ratios."""
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+
+    config = Path(tmp) / "config.yaml"
+    data = cfg.to_dict()
+    data["train"].update(eval_interval=0, ckpt_interval=0, max_steps=10**6)
+    config.write_text(yaml.safe_dump(data))
+    medians: dict[str, list[float]] = {"swapped": [], "resident": []}
+    for r in range(rounds):
+        for side in medians:
+            out = Path(tmp) / f"run_{side}_{r}"
+            argv = [sys.executable, "-m", "atom.cli", "train", "--config", str(config),
+                    "--max-steps", str(steps + 5), "--out", str(out), "--no-progress"]  # fmt: skip
+            if side == "resident":
+                argv.append("--resident")
+            subprocess.run(argv, check=True, capture_output=True)
+            with open(out / "metrics.jsonl") as f:
+                times = [json.loads(line)["step_time_s"] for line in f][5:]
+            medians[side].append(statistics.median(times))
+    ratios = [s / r for s, r in zip(medians["swapped"], medians["resident"], strict=True)]
+    return {
+        "cli_swapped_step_s": statistics.median(medians["swapped"]),
+        "cli_resident_step_s": statistics.median(medians["resident"]),
+        "cli_ratio": statistics.median(medians["swapped"]) / statistics.median(medians["resident"]),
+        "cli_ratio_spread": [min(ratios), max(ratios)],
+    }
 
 
 def _mib(n: float) -> str:
@@ -215,6 +318,10 @@ def _mib(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--serve"]:  # a child: one side of the comparison
+        gpu_mem = argv[argv.index("--gpu-mem") + 1] if "--gpu-mem" in argv else None
+        return serve(argv[1], argv[2], gpu_mem)
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -232,16 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-resident", action="store_true", help="swapped only (model too big)")
     ap.add_argument("--gpu-mem", default=None, help="cap device memory, e.g. 24GiB")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--cli-rounds", type=int, default=3,
+                    help="also `atom train` vs `atom train --resident`, interleaved, this "
+                         "many pairs per shape (0: skip)")  # fmt: skip
+    ap.add_argument("--cli-steps", type=int, default=20, help="timed steps per atom train run")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_flush_denormal(True)
     base = SMALL_SHAPE if args.config is None else []
     cfg = load_config(args.config, base + args.overrides)
     device, dtype = resolve_device(cfg)
-    if args.gpu_mem and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        fraction = min(1.0, parse_bytes(args.gpu_mem) / total)  # a cap above the card: none
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
     hardware = (
         f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
         f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
@@ -253,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| micro x accum | recompute | order | swapped s | resident s | ratio (spread) | "
-        "H2D MiB/step (min) | D2H copies, MiB/step (min) | exposed host s/step |"
+        "atom train ratio (spread) | H2D MiB/step (min) | D2H copies, MiB/step (min) | "
+        "exposed host s/step |"
     )
-    print("|---|---|---|---:|---:|---|---|---|---:|")
+    print("|---|---|---|---:|---:|---|---|---|---|---:|")
     results = []
     for shape in args.shapes.split(","):
         micro, accum = (int(v) for v in shape.lower().split("x"))
@@ -266,7 +374,15 @@ def main(argv: list[str] | None = None) -> int:
                     train={"micro_batch": micro, "grad_accum": accum},
                     swap={"checkpoint": ck == "yes", "order": order},
                 )
-                r = bench_config(run_cfg, args.rounds, args.steps, not args.no_resident)
+                r = bench_config(
+                    run_cfg, args.rounds, args.steps, not args.no_resident, args.gpu_mem
+                )
+                cli = "-"
+                if args.cli_rounds and not args.no_resident and device.type == "cpu":
+                    with tempfile.TemporaryDirectory() as tmp:
+                        r.update(cli_ratio(run_cfg, args.cli_rounds, args.cli_steps, tmp))
+                    lo, hi = r["cli_ratio_spread"]
+                    cli = f"{r['cli_ratio']:.3f}x ({lo:.2f}-{hi:.2f})"
                 results.append(r)
                 if r["resident_step_s"]:
                     lo, hi = r["ratio_spread"]
@@ -276,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                     ratio, res = "-", "OOM" if not args.no_resident else "-"
                 print(
                     f"| {micro} x {accum} | {ck} | {order} | {r['swapped_step_s']:.4f} | {res} | "
-                    f"{ratio} | {_mib(r['h2d_bytes_per_step'])} ({_mib(r['h2d_min_bytes'])}) | "
+                    f"{ratio} | {cli} | {_mib(r['h2d_bytes_per_step'])} "
+                    f"({_mib(r['h2d_min_bytes'])}) | "
                     f"{r['d2h_copies_per_step']:.0f}, {_mib(r['d2h_bytes_per_step'])} "
                     f"({_mib(r['d2h_min_bytes'])}) | {r['exposed_host_s_per_step']:.4f} |",
                     flush=True,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom.swap.malloc import keep_freed_blocks
+from atom.threads import start_helper
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ class _CopyWorker:
     Jobs may block (waiting for the host optimizer to finish a unit), and that must never
     block the thread that issues compute: that is why copies are issued from here."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, threads: int = 1):
         self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        # its torch ops: one copy at a time (CPU: a memcpy; CUDA: issuing a DMA)
+        self._thread = start_helper(self._run, name, threads)
 
     def submit(self, job: Callable[[], None], transfer: Transfer) -> Transfer:
         self._jobs.put((job, transfer))

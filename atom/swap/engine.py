@@ -43,6 +43,7 @@ from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan
 from atom.swap.slots import DeviceSlots, MemoryLedger
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
+from atom.threads import host_worker_threads
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class SwapEngine:
         self._eager_coef = 1.0  # eager: the clip coefficient from the previous step's norm
         self._eager_norm: float | None = None  # eager: the last finished step's norm
         self.skipped_units = 0  # eager: unit updates skipped for non-finite gradients
-        self.worker = HostWorker(on_error=self._unblock_all)
+        self.worker = HostWorker(self._unblock_all, host_worker_threads(backend.device.type))
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
         self._updating = False  # this step has queued a unit update (it can no longer stop)

@@ -15,6 +15,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from atom.threads import start_helper
+
 log = logging.getLogger(__name__)
 
 
@@ -27,12 +29,11 @@ class HostWorker:
     """One thread for host-side work on units (accumulate grads, optimizer steps), in
     submission order. An error is kept and re-raised in the training thread."""
 
-    def __init__(self, on_error: Callable[[], None]):
+    def __init__(self, on_error: Callable[[], None], threads: int = 1):
         self._q: queue.Queue = queue.Queue()
         self._on_error: Callable[[], None] | None = on_error
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="atom-host-opt", daemon=True)
-        self._thread.start()
+        self._thread = start_helper(self._run, "atom-host-opt", threads)
 
     def submit(self, fn: Callable[[], None], cleanup: Callable[[], None] | None = None) -> None:
         """Queue `fn`; `cleanup` runs after it in every case (also when this refuses it)."""

@@ -1,0 +1,61 @@
+"""Helper threads with their own share of the CPU's OpenMP threads.
+
+Every thread that runs a torch op in parallel gets its own OpenMP team, sized by torch's
+thread count. The swap engine runs torch ops on three threads: the one that runs (on a
+GPU: launches) the model's compute, the copy thread, and the host worker (landing
+gradients, the optimizer step). Left alone, each helper gets a team as large as the
+compute thread's, and the teams fight for the same cores: their spinning threads take the
+cores the compute needs (a resident engine ran 1.4x slower on 2 cores while a swapped one
+merely existed in the same process). So each helper is started with the count it needs.
+
+`torch.set_num_threads` sets the calling thread's count and also the process default that
+a thread picks up at its first parallel op; `start_helper` puts that default back, so
+neither the compute thread nor threads started later (checkpoint writer, gossip) change.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+_starting = threading.Lock()
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def start_helper(target: Callable[[], None], name: str, threads: int) -> threading.Thread:
+    """Start daemon thread `name` running `target` with `threads` OpenMP threads."""
+    ready = threading.Event()
+
+    def run() -> None:
+        torch.set_num_threads(max(1, threads))
+        ready.set()
+        target()
+
+    with _starting:
+        own = torch.get_num_threads()  # fixes this thread's own count before the helper runs
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        ready.wait(timeout=30)
+        torch.set_num_threads(own)  # the process default, for threads started later
+    return thread
+
+
+def host_worker_threads(device_type: str) -> int:
+    """The host worker's share. On a GPU the compute thread only launches kernels, but it
+    must never wait for a core: the host optimizer gets all cores but one. On the CPU the
+    compute thread's team uses every core and the host work overlaps it, so the worker
+    takes one core's worth and leaves the rest to the critical path (on 2 cores, a
+    2-thread worker team measured slower than one: the teams' spinning threads fought)."""
+    if device_type == "cuda":
+        return max(1, cores() - 1)
+    return 1
