@@ -4,16 +4,16 @@ On CPU (the CPU backend; what CI machines have), the issue's small shape (6 laye
 d_model 256, context 128, one layer per unit, prefetch 1) at micro-batch 4 x 1 and
 2 x 8, with and without recompute:
 
-    python -m tools.bench_swap --rounds 7
+    python -m tools.bench_swap --rounds 5 --steps 10
     python -m tools.bench_swap --config gpt2-124m --set model.seq_len=256 --rounds 3
 
 Each engine runs in its own process, as a user runs it (two engines in one process share
 OpenMP teams: the resident baseline slowed beside the swapped engine's threads, and the
-ratio read 1.06x where `atom train` against `atom train --resident` read 1.5x). The two
-processes alternate in blocks of --steps consecutive optimizer steps
-(swapped, resident, swapped, ...), so machine noise hits both alike; a block is timed as
-training runs (steps back to back, the host optimizer overlapping the next step), until
-its last host work has finished. The ratio of the medians over rounds is reported, with
+ratio read 1.06x where `atom train` against `atom train --resident` read 1.5x). Each
+round starts a fresh process per side (swapped, resident, swapped, ...), so machine noise
+hits both alike; after a warm-up it times --steps optimizer steps as training runs (back
+to back, the host optimizer overlapping the next step), until its last host work has
+finished (an engine kept alive and idle between short blocks read slower, unevenly). The ratio of the medians over rounds is reported, with
 the spread (min-max of per-round ratios). A swapped run with recompute
 (swap.checkpoint: true) is compared with a resident run that also recomputes (activation
 checkpointing per block), so the ratio is the cost of swapping, not of recomputing.
@@ -219,33 +219,32 @@ class _Side:
 def bench_config(
     cfg: Config, rounds: int, steps: int, resident_too: bool = True, gpu_mem: str | None = None
 ) -> dict:
-    """Swapped and resident engines, each in its own process (as a user runs them: two
-    engines in one process share OpenMP teams, and the resident baseline measured beside a
-    swapped engine's threads ran slower, flattering the ratio), timed in alternating
-    blocks of `steps` steps."""
-    sides = {"swapped": _Side("swapped", cfg, gpu_mem)}
-    if not sides["swapped"].ready:
-        raise RuntimeError("the swapped engine does not fit the device")
-    if resident_too:
-        sides["resident"] = _Side("resident", cfg, gpu_mem)
-        if not sides["resident"].ready:
-            log.warning("resident training does not fit: out of device memory")
-            sides.pop("resident").close()
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    try:
-        for _ in range(rounds):
-            for name in list(sides):
-                r = sides[name].ask(f"run {steps}")
-                if r.get("oom"):
+    """Swapped and resident engines, each in a process of its own (as a user runs them:
+    two engines in one process share OpenMP teams, and the resident baseline measured
+    beside a swapped engine's threads ran slower, flattering the ratio). Each round starts
+    a fresh process per side, warms it up and times `steps` steps back to back, the sides
+    alternating: an engine kept idle between short blocks read slower than one that runs
+    on, and not alike for both sides."""
+    names = ["swapped", "resident"] if resident_too else ["swapped"]
+    times: dict[str, list[float]] = {k: [] for k in names}
+    stats: dict = {}
+    for r in range(rounds):
+        for name in list(names):
+            side = _Side(name, cfg, gpu_mem)
+            try:
+                reply = side.ask(f"run {steps}") if side.ready else {"oom": True}
+                if reply.get("oom"):
+                    if name == "swapped":
+                        raise RuntimeError("the swapped engine does not fit the device")
                     log.warning("resident training does not fit: out of device memory")
-                    sides.pop(name).close()
+                    names.remove(name)
                     times.pop(name)
                     continue
-                times[name].append(r["s_per_step"])
-        stats = sides["swapped"].ask("stats")
-    finally:
-        for side in sides.values():
-            side.close()
+                times[name].append(reply["s_per_step"])
+                if name == "swapped" and r == rounds - 1:
+                    stats = side.ask("stats")
+            finally:
+                side.close()
     per = stats["per_step"]
     h2d_min, d2h_min = stats["min_traffic"]
     result = {
@@ -327,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--config", default=None, help="default: the small shape above")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--rounds", type=int, default=5, help="alternating blocks per engine")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per block")
+    ap.add_argument("--rounds", type=int, default=5, help="processes per engine, alternating")
+    ap.add_argument("--steps", type=int, default=10, help="timed optimizer steps per process")
     ap.add_argument(
         "--shapes",
         default="4x1,2x8",
