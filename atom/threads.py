@@ -37,6 +37,9 @@ def start_helper(target: Callable[[], None], name: str, threads: int) -> threadi
     ready = threading.Event()
 
     def run() -> None:
+        # torch sets a thread's count up at its first parallel op, from the process
+        # default (put back below): trigger that first, or it would undo this
+        torch.get_num_threads()
         torch.set_num_threads(max(1, threads))
         ready.set()
         target()
@@ -56,6 +59,6 @@ def host_worker_threads(device_type: str) -> int:
     compute thread's team uses every core and the host work overlaps it, so the worker
     takes one core's worth and leaves the rest to the critical path (on 2 cores, a
     2-thread worker team measured slower than one: the teams' spinning threads fought)."""
-    if device_type == "cuda":
-        return max(1, cores() - 1)
+    if device_type == "cuda":  # torch's default: physical cores, not hyperthreads
+        return max(1, torch.get_num_threads() - 1)
     return 1

@@ -529,9 +529,19 @@ class _FakeCudart:
         return 0
 
     def cudaHostUnregister(self, ptr: int) -> int:
-        if self.sim.registered.pop(ptr, None) is None:
+        size = self.sim.registered.pop(ptr, None)
+        if size is None:
             self.sim.violations.append("cudaHostUnregister of memory that is not registered")
             return 713  # cudaErrorHostMemoryNotRegistered
+        with self.sim._lock:  # a DMA into or out of pages unlocked under it: undefined
+            for base, h in self.sim.host.items():
+                for c in h.copies:
+                    pending = not self.sim._done(c.stream, c.tick, self.sim.completed)
+                    if pending and base + c.lo < ptr + size and ptr < base + c.hi:
+                        self.sim.violations.append(
+                            f"cudaHostUnregister of pages {c.stream}'s copy #{c.tick} "
+                            f"{'into' if c.write else 'out of'} is still using"
+                        )
         return 0
 
 

@@ -203,6 +203,29 @@ def test_close_releases_pinned_memory_and_slots_without_a_collection(monkeypatch
     assert sim.violations == []  # unregistered once each, after the copies were done
 
 
+def _close_with_a_copy_in_flight(monkeypatch, plant: bool):
+    backend, sim = cuda_backend(monkeypatch, 1 << 16)
+    cfg = _config()
+    engine = SwapEngine(cfg, backend, torch.float32)
+    _steps(engine, cfg, sim, steps=1)
+    with sim.watch():  # a gradient copy into a staging buffer that no one waited for
+        grad = sim.device_tensor(torch.ones(64))
+        backend.d2h(grad, backend.record())
+    if plant:  # what close did before: unregister at once
+        monkeypatch.setattr(backend, "synchronize", lambda: None)
+    engine.close()
+    return sim
+
+
+def test_close_waits_for_copies_before_unlocking_their_pages(monkeypatch):
+    assert _close_with_a_copy_in_flight(monkeypatch, plant=False).violations == []
+
+
+def test_a_planted_unregister_under_a_pending_copy_is_caught(monkeypatch):
+    sim = _close_with_a_copy_in_flight(monkeypatch, plant=True)
+    assert any("cudaHostUnregister of pages" in v for v in sim.violations), sim.violations[:3]
+
+
 # ---------------------------------------------------------------- the fake itself
 
 

@@ -13,7 +13,8 @@ ratio read 1.06x where `atom train` against `atom train --resident` read 1.5x). 
 round starts a fresh process per side (swapped, resident, swapped, ...), so machine noise
 hits both alike; after a warm-up it times --steps optimizer steps as training runs (back
 to back, the host optimizer overlapping the next step), until its last host work has
-finished (an engine kept alive and idle between short blocks read slower, unevenly). The ratio of the medians over rounds is reported, with
+finished (an engine kept alive and idle between short blocks read slower, unevenly).
+The ratio of the medians over rounds is reported, with
 the spread (min-max of per-round ratios). A swapped run with recompute
 (swap.checkpoint: true) is compared with a resident run that also recomputes (activation
 checkpointing per block), so the ratio is the cost of swapping, not of recomputing.

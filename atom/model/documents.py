@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.model.sdpa import attention
+from atom.model.sdpa import attention, expand_kv
 
 IGNORE = -100  # a target that carries no loss (F.cross_entropy's default ignore_index)
 QUERY_CHUNK = 256  # queries per attention call over packed documents
@@ -70,7 +70,11 @@ class Documents:
 
     def attend(self, q, k, v, window: int | None = None):
         """SDPA of (B, heads, T, hs) queries over their own documents' keys and values
-        (B, kv_heads, T, hs): grouped-query heads keep a fused kernel (atom/model/sdpa.py)."""
+        (B, kv_heads, T, hs): grouped-query heads keep a fused kernel (atom/model/sdpa.py).
+        Every chunk is masked, so K/V heads are expanded here, once: the chunks' slices
+        are views of one tensor, saved once for the backward (expanded per chunk, each
+        chunk's copy was saved: memory growing with T x chunks, not T)."""
+        k, v = expand_kv(q, k, v)
         outs = [
             attention(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], mask=mask)
             for a, b, lo, mask in self.blocks(window)

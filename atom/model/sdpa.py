@@ -25,9 +25,16 @@ def attention(
 ) -> torch.Tensor:
     """(B, heads, T, hs) queries over (B, kv_heads, S, hs) keys and values; `mask` (bool,
     True = may attend, broadcasting to (B, heads, T, S)) or `causal`, not both."""
+    if mask is not None:
+        k, v = expand_kv(q, k, v)
     gqa = k.size(1) != q.size(1)
-    if gqa and mask is not None:
-        repeat = q.size(1) // k.size(1)
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """K/V with as many heads as `q` (query head h reads K/V head h // (heads / kv_heads),
+    as `enable_gqa` does); unchanged when they already have as many."""
+    if k.size(1) == q.size(1):
+        return k, v
+    repeat = q.size(1) // k.size(1)
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

@@ -393,9 +393,6 @@ class SwapEngine:
         """Send a unit's gradient (flat, or per parameter in unit order) to the host worker,
         which copies or adds it into the unit's fp32 host gradient."""
         buf = self.store.buffers[u]
-        # abort: if the worker failed, the staging buffers it held are coming back, and
-        # its error is what the training thread should raise, at once
-        transfer = self.backend.d2h(p_grad, self.backend.record(), abort=self.worker.check)
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
         nbytes = sum(g.nbytes for g in grads)
         self.ledger.sub(nbytes)
@@ -447,9 +444,17 @@ class SwapEngine:
             elif not self.deferred:
                 self._update(u, 1.0, lr)
 
-        # the staging buffer goes back in every case: landed, failed, or skipped after
-        # an earlier job failed (release_host is idempotent; land releases it early)
-        self.worker.submit(land, cleanup=lambda: self.backend.release_host(transfer))
+        # abort: if the worker failed, the staging buffers it held are coming back, and
+        # its error is what the training thread should raise, at once
+        transfer = self.backend.d2h(p_grad, self.backend.record(), abort=self.worker.check)
+        # the staging buffer goes back in every case: landed, failed, skipped after an
+        # earlier job failed, or never queued (release_host is idempotent; land releases
+        # it early): one lost buffer of the three would, three steps on, be a hang
+        try:
+            self.worker.submit(land, cleanup=lambda: self.backend.release_host(transfer))
+        except BaseException:
+            self.backend.release_host(transfer)
+            raise
 
     def _host_scratch(self, u: int, flat: bool) -> list[torch.Tensor]:
         """fp32 host scratch laid out like unit u (whole, or per parameter). Only the host
@@ -616,7 +621,9 @@ class SwapEngine:
             try:
                 self.backend.synchronize()  # no copy may be using a slot that goes
             finally:
-                self.slots.close()
-                self.backend.close()
-            if self.tier is not None:
-                self.tier.close()
+                try:
+                    self.slots.close()
+                    self.backend.close()
+                finally:
+                    if self.tier is not None:
+                        self.tier.close()

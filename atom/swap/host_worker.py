@@ -37,10 +37,12 @@ class HostWorker:
 
     def submit(self, fn: Callable[[], None], cleanup: Callable[[], None] | None = None) -> None:
         """Queue `fn`; `cleanup` runs after it in every case (also when this refuses it)."""
-        if self.error is not None and cleanup is not None:
-            _run_cleanup(cleanup)
-        self.check()
-        self._q.put((fn, cleanup))
+        error = self.error  # read once: the worker may fail meanwhile
+        if error is not None:
+            if cleanup is not None:
+                _run_cleanup(cleanup)
+            raise RuntimeError(f"host optimizer thread failed: {error!r}") from error
+        self._q.put((fn, cleanup))  # failed since? the worker skips it and runs cleanup
 
     def check(self) -> None:
         if self.error is not None:
@@ -68,8 +70,9 @@ class HostWorker:
             except BaseException as err:
                 self.error = err
                 log.exception("host optimizer thread failed")
-                if self._on_error is not None:
-                    self._on_error()
+                callback = self._on_error  # read once: close() may clear it
+                if callback is not None:
+                    callback()
             finally:
                 if cleanup is not None:
                     _run_cleanup(cleanup)

@@ -38,9 +38,12 @@ class _Registration:
         if ptr is None:
             return
         try:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         except Exception:  # interpreter shutdown: CUDA may already be gone
-            pass
+            return
+        if err != 0:  # leaves CUDA's last error set: torch would raise it at a later launch
+            log.warning("cudaHostUnregister failed (error %d)", err)
+            _consume_cuda_error()
 
 
 def _consume_cuda_error() -> None:
