@@ -15,21 +15,12 @@ neither the compute thread nor threads started later (checkpoint writer, gossip)
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
 import torch
 
 _starting = threading.Lock()
-
-
-def cores() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def start_helper(target: Callable[[], None], name: str, threads: int) -> threading.Thread:
@@ -57,8 +48,8 @@ def host_worker_threads(device_type: str) -> int:
     """The host worker's share. On a GPU the compute thread only launches kernels, but it
     must never wait for a core: the host optimizer gets all cores but one. On the CPU the
     compute thread's team uses every core and the host work overlaps it, so the worker
-    takes one core's worth and leaves the rest to the critical path (on 2 cores, a
-    2-thread worker team measured slower than one: the teams' spinning threads fought)."""
+    takes one core's worth and leaves the rest to the critical path (a choice, not yet
+    measured apart from the other sizes on a quiet machine: docs/benchmarks.md)."""
     if device_type == "cuda":  # torch's default: physical cores, not hyperthreads
         return max(1, torch.get_num_threads() - 1)
     return 1

@@ -257,15 +257,15 @@ def test_validation_loss_is_said_as_it_is_measured(tmp_path, text_dataset, caplo
     assert "perplexity" in said[0] and "train loss" in said[0]
 
 
-@pytest.mark.parametrize("kind", ["capturable", "fused"])
-def test_a_resumed_optimizer_step_count_sits_where_its_kernel_reads_it(kind):
+def test_a_resumed_optimizer_step_count_sits_where_its_kernel_reads_it():
     """Fused and capturable AdamW read `step` on the parameter's device (the fused CUDA
     kernel refuses a CPU one: a resumed --resident run on a GPU crashed at its first
-    step). Where torch's own load_state_dict puts it, init_state must too; meta params
-    stand in for a device the CPU is not (the fused kernel is built for cpu/cuda only)."""
+    step). Where torch's own load_state_dict puts it, init_state must too. Capturable on
+    meta params stands in for a device the CPU is not (fused is built for cpu/cuda only,
+    and on the CPU it could not fail); tests/test_gpu.py resumes on CUDA itself."""
     from atom.optim import init_state
 
-    device = "meta" if kind == "capturable" else "cpu"
+    kind, device = "capturable", "meta"
     p = torch.nn.Parameter(torch.zeros(4, device=device))
     opt = torch.optim.AdamW([p], **{kind: True})
     state = init_state(opt, p, 7)
