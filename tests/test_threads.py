@@ -1,6 +1,6 @@
 """Helper threads keep their own OpenMP share and leave everyone else's alone.
 
-    pytest tests/test_threads.py
+pytest tests/test_threads.py
 """
 
 from __future__ import annotations
