@@ -305,6 +305,10 @@ def test_a_gradient_freed_without_record_stream_is_caught(monkeypatch):
     """The D2H stream reads gradients the compute stream allocated; without
     record_stream the allocator could hand their memory to the next kernel mid-copy."""
     backend, sim = cuda_backend(monkeypatch, 1 << 16)
+    # The copies land 1 s late: the host worker's wait on them cannot complete before the
+    # training thread drops the gradients, even on a loaded box (with instant copies the
+    # worker could see a copy done first, which makes the free legitimately safe: CI did).
+    sim.copy_delay_s = 1.0
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     cfg = _config()
     engine = SwapEngine(cfg, backend, torch.float32)
