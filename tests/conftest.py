@@ -74,3 +74,13 @@ def no_leftover_children():
             child.wait(timeout=5)
         except (psutil.Error, OSError):
             pass
+
+
+@pytest.fixture(autouse=True)
+def own_working_directory(tmp_path_factory, monkeypatch):
+    """Each test runs in a directory it owns: the CLI's defaults (runs/default, plan.json,
+    data/) land there, so what a user left in the checkout (the README's first command
+    writes runs/default) cannot change a test's outcome."""
+    work = tmp_path_factory.mktemp("cwd")  # beside tmp_path, which stays the test's own
+    monkeypatch.chdir(work)
+    yield work

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -324,7 +325,8 @@ def test_corrupt_state_in_meta_is_one_line(run_dir, capsys, field, value):
     meta = json.loads((ckpt / "meta.json").read_text())
     meta[field] = value
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    code, _, err = run_cli(capsys, "train", "--resume", str(run_dir), "--no-progress")
+    code, _, err = run_cli(capsys, "train", "--resume", str(run_dir), "--max-steps", "4",
+                           "--no-progress")  # fmt: skip
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "corrupt state in meta.json" in err and str(ckpt) in err
 
@@ -382,7 +384,10 @@ def test_resume_names_each_max_steps_change_once():
         "train.max_steps: 300 -> 600; the LR keeps its planned decay over 300 steps and "
         "stays at min_lr after it (--set train.lr_decay_steps=N plans another)"
     ]
-    assert said(max_steps=100) == ["train.max_steps: 300 -> 100"]
+    assert said(max_steps=100) == [
+        "train.max_steps: 300 -> 100; the LR keeps its planned decay over 300 steps and "
+        "stops at step 100, above min_lr (--set train.lr_decay_steps=N plans another)"
+    ]
     assert said("train.lr_decay_steps=1000") == ["train.lr_decay_steps: None -> 1000"]
     assert said() == []
 
@@ -440,3 +445,11 @@ def test_eval_scores_every_token_of_a_file_as_plain_pytorch_does(run_dir, tmp_pa
     assert code == 0 and "perplexity" in out and f"{r.loss:.4f}" in out
     code, _, err = run_cli(capsys, "eval", str(run_dir), "--data", str(tmp_path / "none"))
     assert code == 2 and "does not exist" in err
+
+
+def test_a_run_left_in_the_checkout_does_not_change_a_test(own_working_directory):
+    """The README's first command leaves runs/default in the repository root; a test
+    that ran `atom train` from there was refused ("runs/default already holds a run")."""
+    assert Path.cwd() == own_working_directory
+    assert not any(own_working_directory.iterdir())
+    assert Path.cwd().resolve() != Path(__file__).resolve().parents[1]

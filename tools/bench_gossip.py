@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from tools import tool_env
 from tools.jsonl import read_records
 
 ATOM = [sys.executable, "-m", "atom.cli", "train", "--no-progress"]
@@ -85,7 +86,7 @@ def _default_sigint() -> None:
 
 
 def spawn(args: list[str], log: Path, cmd: list[str] = ATOM) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     with open(log, "w") as f:
         return subprocess.Popen(
             cmd + args, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint

@@ -58,6 +58,7 @@ from atom.config import Config, load_config, replace
 from atom.device import resolve_device
 from atom.sizes import parse_bytes
 from atom.train import build_engine
+from tools import tool_env
 
 log = logging.getLogger("bench_swap")
 
@@ -196,7 +197,7 @@ class _Side:
                 json.dumps(cfg.to_dict())]  # fmt: skip
         argv += ["--gpu-mem", gpu_mem] if gpu_mem else []
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)  # fmt: skip
+                                     text=True, env=tool_env())  # fmt: skip
         self.ready = "ready" in self.read()
 
     def read(self) -> dict:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from tools import tool_env
+
 SHAPE = [
     "model.n_layer=12",
     "model.d_model=1024",
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                        str(args.steps), "--out", str(out)]  # fmt: skip
                 for item in sets:
                     cmd += ["--set", item]
-                subprocess.run(cmd, check=True)
+                subprocess.run(cmd, check=True, env=tool_env())
                 runs[name].append(json.loads(out.read_text()))
                 print(f"round {r + 1}: {name}: {runs[name][-1]['step_s']:.3f} s", file=sys.stderr)
     base = statistics.median(x["step_s"] for x in runs["fp32, RAM"])

@@ -51,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+from tools import tool_env
 from tools.baselines.settings import ATOM_ONLY, ATOM_VARIANTS, MODEL, TRAIN, overrides
 from tools.cpuload import ForeignLoad, wait_quiet
 from tools.jsonl import read_records
@@ -65,12 +66,7 @@ def sets(d: dict) -> list[str]:
 
 
 def child_env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parent.parent)
-    path = os.environ.get("PYTHONPATH", "")
-    return dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-        PYTHONPATH=f"{root}:{path}" if path else root,
-    )  # fmt: skip
+    return tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
 
 # ------------------------------------------------------------------ preparation
