@@ -476,17 +476,24 @@ class TokenData:
         expected = n_tokens * dtype.itemsize
         _check_size(path, expected, f"meta.json expects {expected} bytes")
         split = name.removesuffix(".bin")
-        if n_tokens < self.seq_len + 1:
+        if n_tokens < 2:  # a window needs an input and its next token
+            fix = "a larger --val-fraction" if split == "val" else "a smaller --val-fraction"
             raise DataError(
-                f"the {split} split of {self.data_dir} has {n_tokens} tokens, fewer than "
-                f"seq_len+1={self.seq_len + 1}; use more text, a larger val_fraction, "
-                "or a smaller seq_len"
+                f"the {split} split of {self.data_dir} has {n_tokens} token(s); a window "
+                f"needs 2: use more text, or re-run atom prepare with {fix}"
             )
+        if n_tokens < self.seq_len + 1:  # a small dataset (a documented example) still runs
+            logger.warning(
+                "the %s split of %s has %d tokens, fewer than seq_len+1=%d: its windows are "
+                "%d tokens long (add text to train on the full context)",
+                split, self.data_dir, n_tokens, self.seq_len + 1, n_tokens - 1,
+            )  # fmt: skip
         return np.memmap(path, dtype=dtype, mode="r")
 
     def _windows(self, tokens: np.memmap, rng: np.random.Generator, batch_size: int) -> tuple:
-        """(x, y), or for a dataset of documents (x, y, positions within the documents)."""
-        T = self.seq_len
+        """(x, y), or for a dataset of documents (x, y, positions within the documents);
+        windows are seq_len tokens, or the whole split less one where it is shorter."""
+        T = min(self.seq_len, len(tokens) - 1)
         # Highest valid start is len - T - 1 so that y's last token exists; high is exclusive.
         starts = rng.integers(0, len(tokens) - T, size=batch_size)
         docs = self._docs.get(id(tokens))

@@ -89,10 +89,10 @@ def evaluate_run(run: Path, data: Path, batch: int | None = None) -> EvalResult:
     cfg = Config.from_dict(ckpt.meta["config"])
     tokenizer = ckpt.meta.get("data", {}).get("tokenizer", "byte")
     tokens, flags, source = _tokens(Path(data), tokenizer)
-    T = cfg.model.seq_len
+    if len(tokens) < 2:
+        raise DataError(f"{source} has {len(tokens)} token(s): a window needs 2; use more text")
+    T = min(cfg.model.seq_len, len(tokens) - 1)  # a short text is one shorter window
     n = (len(tokens) - 1) // T
-    if n < 1:
-        raise DataError(f"{source} has {len(tokens)} tokens, fewer than seq_len+1={T + 1}")
     if int(tokens.max()) >= cfg.model.vocab_size:
         raise DataError(f"{source} holds token ids outside the model's vocabulary")
     windows = torch.from_numpy(tokens[: n * T + 1])

@@ -193,8 +193,13 @@ def test_tokendata_errors(tmp_path: Path) -> None:
     val = read_split(out, "val.bin", "uint8")
     for x, y in tight.val_batches(8, 4):
         assert (x.numpy() == val[:19]).all() and (y.numpy() == val[1:]).all()
-    with pytest.raises(DataError, match=r"val split .* has 20 tokens.*smaller seq_len"):
-        TokenData(out, seq_len=20, seed=0)
+    # shorter than seq_len+1: the split's windows are the whole split (a small example
+    # dataset trains as written), and a line says so
+    short = TokenData(out, seq_len=64, seed=0)
+    for x, y in short.val_batches(2, 3):
+        assert x.shape == (3, 19) and (x.numpy() == val[:19]).all() and (y.numpy() == val[1:]).all()
+    x, y = short.train_batch(0, 0, 2)
+    assert x.shape == (2, 64)  # the train split is long enough for full windows
     train = out / "train.bin"
     train.write_bytes(train.read_bytes()[:-5])
     with pytest.raises(DataError, match=r"train.bin has 175 bytes but meta.json expects 180") as e:
@@ -397,3 +402,18 @@ def test_files_are_read_in_blocks_cut_before_a_word(tmp_path: Path) -> None:
         [read_split(tmp_path / "ds", n, "uint8") for n in ("train.bin", "val.bin")]
     )
     assert ids.tobytes() == src.read_bytes()
+
+
+def test_a_split_too_small_for_one_window_names_the_fix(tmp_path: Path, caplog) -> None:
+    src = tmp_path / "t.txt"
+    src.write_bytes(b"abcdefghij" * 3)
+    out = tmp_path / "d"
+    prepare([src], out, val_fraction=0.03, progress=False)  # 1 val token
+    with pytest.raises(DataError, match=r"val split .* has 1 token.*larger --val-fraction"):
+        TokenData(out, seq_len=8, seed=0)
+    with caplog.at_level(logging.WARNING, logger="atom.data"):
+        prepare([src], out, val_fraction=0.5, progress=False)
+        data = TokenData(out, seq_len=64, seed=0)
+    assert "the train split" in caplog.text and "windows are 14 tokens long" in caplog.text
+    x, y, *_ = data.train_batch(3, 0, 4)
+    assert x.shape == (4, 14) and (y[:, :-1] == x[:, 1:]).all()
