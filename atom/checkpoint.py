@@ -11,9 +11,7 @@ Only safetensors and JSON are read: a checkpoint can never execute code (no pick
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import functools
 import hashlib
 import json
 import logging
@@ -21,7 +19,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from atom.atomic_dir import fsync_dir, publish
 from atom.errors import CheckpointError  # noqa: F401  (re-exported: callers import it from here too)
 
 log = logging.getLogger(__name__)
@@ -47,8 +46,6 @@ _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _RESERVED = ("format_version", "step", "files", "tensors")
 _MAX_STEP = 99_999_999  # step_{:08d} must stay 8 digits or list_checkpoints would not see it
 _HASH_CHUNK = 8 << 20
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
 
 
 # ----------------------------------------------------------------------------- writing
@@ -79,7 +76,7 @@ def save_checkpoint(
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(root.parent)
+        fsync_dir(root.parent)
     final = root / f"step_{step:08d}"
     if final.exists() and not final.is_dir():  # never swap our dir with a foreign file
         raise CheckpointError(
@@ -101,15 +98,15 @@ def save_checkpoint(
         }
         # meta.json goes last: with it every file is final, so it marks the dir as complete.
         _write_json(tmp / META_NAME, doc)
-        _fsync_dir(tmp)
-        replaced = _publish(tmp, final)
+        fsync_dir(tmp)
+        replaced = publish(tmp, final)
     except OSError as err:
         _discard(tmp)
         raise _save_failed(err, final, root) from None
     except BaseException:
         _discard(tmp)
         raise
-    _fsync_dir(root)  # make the rename itself durable
+    fsync_dir(root)  # make the rename itself durable
     if replaced is not None:
         _discard(replaced)
     try:
@@ -265,60 +262,6 @@ def _hash_file(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems cannot fsync a directory; nothing more we can do
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-@functools.cache
-def _renameat2() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two directories (Linux renameat2); False where unsupported."""
-    fn = _renameat2()
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
-def _publish(tmp: Path, final: Path) -> Path | None:
-    """Move tmp to final; return the directory holding a replaced old checkpoint, if any."""
-    if not final.exists():
-        os.rename(tmp, final)
-        return None
-    # Re-saving a step: swap atomically so step_N is never absent, even for an instant.
-    if _exchange(tmp, final):
-        return tmp
-    # Fallback without renameat2: old one aside first, delete only once the new one is in place.
-    aside = final.with_name(f".tmp-replaced-{final.name}-{os.getpid()}")
-    os.rename(final, aside)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        os.rename(aside, final)
-        raise
-    return aside
-
-
 def _prune(root: Path, keep: int, current: Path) -> None:
     _remove_stale_tmp(root)
     dirs = list_checkpoints(root)
@@ -387,18 +330,20 @@ def _pid_alive(pid: int) -> bool:
 # ----------------------------------------------------------------------------- reading
 
 
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (step_00000300: 300), None for other names."""
+    m = _STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(path: Path) -> list[Path]:
     """Step dirs under a run dir or its checkpoints/ dir, oldest to newest."""
     path = Path(path)
     root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), entry)
-        for entry in root.iterdir()
-        if (m := _STEP_RE.match(entry.name)) and entry.is_dir()
-    ]
-    return [entry for _, entry in sorted(found)]
+    found = [e for e in root.iterdir() if step_of(e) is not None and e.is_dir()]
+    return sorted(found, key=step_of)
 
 
 def find_latest(path: Path) -> Path:
@@ -548,6 +493,11 @@ def _read_meta(d: Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise _corrupt(d, f"{META_NAME} is not a JSON object")
     version = doc.get("format_version")
+    if version is None:  # another meta.json: a dataset's (atom prepare) or another tool's
+        raise CheckpointError(
+            f"{d} is not a checkpoint (its {META_NAME} is not a checkpoint's: a dataset?); "
+            "pass a run directory (atom train's --out) or one of its checkpoints/step_* folders"
+        )
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {d} has format_version {version!r}, but this atom reads "
@@ -564,8 +514,7 @@ def _meta_problem(doc: dict[str, Any], d: Path) -> str | None:
     step, files, tensors = doc.get("step"), doc.get("files"), doc.get("tensors")
     if not isinstance(step, int) or isinstance(step, bool):
         return f"has step {step!r}, expected an integer"
-    m = _STEP_RE.match(d.name)
-    if m and int(m.group(1)) != step:
+    if step_of(d) not in (None, step):
         return f"says step {step} but the directory is {d.name}"
     if not isinstance(files, dict) or not isinstance(tensors, dict):
         return "lacks the 'files' or 'tensors' table"

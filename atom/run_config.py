@@ -40,16 +40,17 @@ def resume_run_config(saved: dict, overrides: list[str], max_steps: int | None =
     """The config a resumed run continues with: the one saved in its checkpoint, with the
     `--set` overrides (and --max-steps) named on the command line on top.
 
-    Extending a run past its planned schedule (--max-steps beyond the saved max_steps,
-    lr_decay_steps unset) keeps the schedule it was planned with: the LR has decayed to
-    min_lr by the old end and stays there, instead of jumping back up a cosine re-fitted
-    to the new length."""
+    Changing a run's length (--max-steps other than the saved max_steps, lr_decay_steps
+    unset) keeps the schedule it was planned with, so the steps it trains are the ones the
+    planned run would have: extended, the LR has decayed to min_lr by the old end and stays
+    there; shortened, it stops early on the planned curve. A cosine re-fitted to the new
+    length would jump the LR at the resumed step."""
     before = Config.from_dict(saved)
     data = apply_overrides(before.to_dict(), overrides)
     if max_steps is not None:
         data["train"]["max_steps"] = max_steps
     cfg = Config.from_dict(data)
-    if cfg.train.lr_decay_steps is None and cfg.train.max_steps > before.train.max_steps:
+    if cfg.train.lr_decay_steps is None and cfg.train.max_steps != before.train.max_steps:
         cfg.train.lr_decay_steps = before.train.max_steps
     return cfg
 
@@ -62,9 +63,9 @@ def resume_changes(saved: dict, cfg: Config) -> list[str]:
     before, after = Config.from_dict(saved).to_dict(), cfg.to_dict()
     bt, at = before["train"], after["train"]
     # resume_run_config pinned the decay to the planned length: one line says both
-    extended = (
+    pinned = (
         bt["lr_decay_steps"] is None
-        and at["max_steps"] > bt["max_steps"]
+        and at["max_steps"] != bt["max_steps"]
         and at["lr_decay_steps"] == bt["max_steps"]
     )
     changes = []
@@ -80,13 +81,17 @@ def resume_changes(saved: dict, cfg: Config) -> list[str]:
                     f"{value!r}); --resume continues it as saved: drop that --set, or start "
                     "a new run with another --out"
                 )
-            if extended and name == "train.lr_decay_steps":
+            if pinned and name == "train.lr_decay_steps":
                 continue
-            if extended and name == "train.max_steps":
+            if pinned and name == "train.max_steps":
+                after_end = (
+                    "stays at min_lr after it"
+                    if value > old
+                    else f"stops at step {value}, above min_lr"
+                )
                 changes.append(
                     f"train.max_steps: {old} -> {value}; the LR keeps its planned decay over "
-                    f"{old} steps and stays at min_lr after it (--set train.lr_decay_steps=N "
-                    "plans another)"
+                    f"{old} steps and {after_end} (--set train.lr_decay_steps=N plans another)"
                 )
             else:
                 changes.append(f"{name}: {old!r} -> {value!r}")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from atom.run_dir import trim_metrics
+
 log = logging.getLogger(__name__)
 
 
@@ -25,21 +27,6 @@ class RunLog:
         self.bar = tqdm(total=end, initial=start, disable=not progress, unit="step",
                         dynamic_ncols=True, file=sys.stderr)  # fmt: skip
         self._file = self.path.open("a")
-
-    @staticmethod
-    def trim(out: Path, start: int) -> None:
-        """On resume, drop records of steps the checkpoint does not include."""
-        path = Path(out) / "metrics.jsonl"
-        if not path.exists():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= start:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                pass  # a line cut short by a killed run
-        path.write_text("".join(line + "\n" for line in kept))
 
     def step(self, record: dict, postfix: dict) -> None:
         """One finished step's record: to the file, the loggers and the terminal."""
@@ -80,7 +67,7 @@ class RunLog:
         """A rollback to `step`: the records after it leave metrics.jsonl (they are
         trained again) and the bar goes back."""
         self._file.close()
-        RunLog.trim(self.path.parent, step)
+        trim_metrics(self.path, step)
         self._file = self.path.open("a")
         self.bar.n = step
         self.bar.refresh()

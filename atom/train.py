@@ -25,6 +25,7 @@ from atom.engine import Engine
 from atom.errors import TrainingError
 from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
+from atom.run_dir import continue_from
 from atom.run_log import RunLog
 from atom.signals import Interrupts
 
@@ -210,7 +211,7 @@ class Trainer:
                 )
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        RunLog.trim(self.out, self.start_step)
+        continue_from(self.out, self.start_step)  # later records and checkpoints: not this run's
         (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         from atom.loggers import make_loggers
 

@@ -221,7 +221,9 @@ def test_resave_same_step_replaces_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     if not exchange:
-        monkeypatch.setattr(ckpt_mod, "_exchange", lambda a, b: False)
+        import atom.atomic_dir
+
+        monkeypatch.setattr(atom.atomic_dir, "_exchange", lambda a, b: False)
     save_checkpoint(tmp_path, 1, _simple(1), {"v": "old"})
     save_checkpoint(tmp_path, 2, [("a", {"a.w": torch.zeros(3)})], {"v": "old"})
     final = save_checkpoint(tmp_path, 2, [("c", {"c.w": torch.ones(5)})], {"v": "new"})

@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from atom.cli import peers as gossip_commands
 from atom.cli import simulate as simulate_command
+from atom.cli.train_command import cmd_train
 from atom.errors import AtomError, ConfigError, DataError
-from atom.run_config import load_run_config, resume_changes, resume_run_config
+from atom.run_config import load_run_config
 
 USER_ERRORS = (AtomError,)
 
@@ -188,159 +187,6 @@ def build_parser() -> argparse.ArgumentParser:
     gossip_commands.add_commands(sub)  # keygen, peers
     simulate_command.add_command(sub)  # atom vs pipeline vs data parallel
     return parser
-
-
-def _terminate_like_ctrl_c(signum, frame) -> None:
-    """SIGTERM (docker stop, systemd, kill) stops training the way Ctrl+C does: at the
-    next step boundary, with a checkpoint and a goodbye to the peers."""
-    handler = signal.getsignal(signal.SIGINT)
-    if callable(handler):
-        handler(signal.SIGINT, frame)
-    else:
-        raise KeyboardInterrupt
-
-
-def _holds_run(directory: Path) -> bool:
-    return (directory / "metrics.jsonl").exists() or any((directory / "checkpoints").glob("step_*"))
-
-
-def _run_directory(args) -> Path:
-    """A run directory belongs to one run: --resume continues in the resumed run's
-    directory (unless --out names a fresh one), and a new run never writes into a
-    directory that holds another (its metrics and checkpoints would be mixed)."""
-    if args.resume:
-        resumed = Path(args.resume)
-        if resumed.name.startswith("step_") and resumed.parent.name == "checkpoints":
-            resumed = resumed.parent.parent  # a checkpoint inside a run directory
-        out = Path(args.out) if args.out else resumed
-        if out.resolve() != resumed.resolve() and _holds_run(out):
-            raise ConfigError(
-                f"{out} holds another run; resume into {resumed} (leave out --out) or "
-                "give a new --out"
-            )
-        return out
-    out = Path(args.out or "runs/default")
-    if _holds_run(out):
-        raise ConfigError(
-            f"{out} already holds a run (metrics.jsonl, checkpoints/); continue it with "
-            f"--resume {out}, or start a new one with another --out"
-        )
-    return out
-
-
-def cmd_train(args) -> int:
-    from atom.train import Trainer, host_bytes_needed
-
-    overrides = args.overrides + gossip_commands.train_overrides(args)
-    if args.max_steps is not None and args.max_steps < 1:
-        raise ConfigError("--max-steps must be >= 1")
-    saved = None
-    if args.resume:
-        if args.config or args.model:
-            raise ConfigError(
-                "--resume continues with the config saved in the run: drop --config/--model "
-                "(change how it trains with --set train.KEY=VALUE)"
-            )
-        from atom.checkpoint import load_checkpoint
-
-        saved = load_checkpoint(Path(args.resume), verify=False).meta.get("config")
-    if saved is not None:
-        cfg = resume_run_config(saved, overrides, args.max_steps)
-    else:
-        cfg = load_run_config(args.config, overrides, model=args.model)
-        if args.max_steps is not None:
-            cfg.train.max_steps = args.max_steps
-    plan = None
-    if args.plan:
-        from profiler.planner import Plan
-
-        plan = Plan.load(Path(args.plan))
-        cfg = plan.apply(cfg)
-    if saved is not None:
-        for change in resume_changes(saved, cfg):
-            print(f"atom: resuming with {change}", flush=True)
-    out = _run_directory(args)
-    if plan is None and not args.resident:
-        print(
-            "atom: no --plan: using the config's swap settings "
-            f"(layers_per_unit {cfg.swap.layers_per_unit}, prefetch {cfg.swap.prefetch}, "
-            f"checkpoint {cfg.swap.checkpoint}); run `atom profile` to choose them for "
-            "this machine",
-            flush=True,
-        )
-    trainer = Trainer(
-        cfg,
-        out,
-        resident=args.resident,
-        resume=Path(args.resume) if args.resume else None,
-        progress=not args.no_progress and sys.stderr.isatty(),
-        prediction=plan.prediction if plan else None,
-    )
-    mode = (
-        "resident"
-        if args.resident
-        else (
-            f"swapped: {len(trainer.engine.units)} units, "
-            f"{cfg.swap.layers_per_unit} layer(s)/unit, prefetch {cfg.swap.prefetch}"
-        )
-    )
-    n_params = sum(t.numel() for t in trainer.engine.named_parameters().values())
-    host = host_bytes_needed(cfg, trainer.engine.dtype)[1]
-    backend = getattr(trainer.engine, "backend", None)
-    pinned = getattr(backend, "pinned_bytes", 0)
-    tier = getattr(trainer.engine, "tier", None)
-    print(
-        f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
-        f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} [{mode}] "
-        f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB"
-        + (f" ({pinned / 2**30:.2f} GiB of it pinned)" if pinned else "")
-        + (f", {cfg.swap.state} state" if cfg.swap.state != "fp32" else "")
-        + (
-            f"; {tier.disk_bytes / 2**30:.2f} GiB on disk in {tier.dir}"
-            f"{'' if tier.direct else ' (buffered: this filesystem refuses O_DIRECT)'}"
-            if tier
-            else ""
-        ),
-        flush=True,
-    )
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous_term = signal.signal(signal.SIGTERM, _terminate_like_ctrl_c) if main_thread else None
-    try:
-        summary = trainer.run()
-    except KeyboardInterrupt:
-        saved = trainer.interrupt_checkpoint
-        if saved is not None:
-            print(f"atom: interrupted; checkpoint saved: {saved}")
-        else:
-            from atom.checkpoint import list_checkpoints
-
-            kept = list_checkpoints(out)
-            print(
-                "atom: interrupted; no new checkpoint"
-                + (f" (the newest is {kept[-1]})" if kept else "")
-            )
-        return 130
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous_term)
-    if summary.history:
-        first = summary.history[0]["loss"]
-        print(
-            f"atom: {summary.steps} steps; loss {first:.4f} -> {summary.last_loss:.4f}; "
-            f"val loss {summary.val_loss:.4f}; {summary.tokens_per_s:,.0f} tokens/s; "
-            f"device peak {summary.device_peak_bytes / 2**20:.1f} MiB"
-        )
-    if plan is not None and summary.step_time_s is not None:
-        pred = plan.prediction
-        print(
-            f"atom: plan predicted {pred['step_s']:.3f} s/step and "
-            f"{pred['peak_device_bytes'] / 2**20:.1f} MiB device peak; measured "
-            f"{summary.step_time_s:.3f} s/step ({summary.step_time_s / pred['step_s']:.2f}x) and "
-            f"{summary.device_peak_bytes / 2**20:.1f} MiB "
-            f"({summary.device_peak_bytes / max(pred['peak_device_bytes'], 1):.2f}x)"
-        )
-    print(f"atom: checkpoint {summary.checkpoint}; metrics {out / 'metrics.jsonl'}")
-    return 0
 
 
 def cmd_profile(args) -> int:

@@ -1,0 +1,132 @@
+"""A run directory holds one run, whichever of its folders --resume names, and resuming
+says what it does: a finished run, a dataset given as a run, an older checkpoint, a
+shorter schedule, a peer restarted as the README says."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from atom.cli import main
+from atom.run_dir import continue_from, run_of
+
+STEPS = 4
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _sets(text_dataset) -> list[str]:
+    return ["--set", "model.n_layer=2", "--set", "model.seq_len=32", "--set",
+            f"train.data={text_dataset}", "--set", "train.ckpt_interval=2",
+            "--set", "train.warmup_steps=1", "--no-progress"]  # fmt: skip
+
+
+@pytest.fixture
+def finished(tmp_path, text_dataset, capsys) -> Path:
+    """A 4-step run with checkpoints at steps 2 and 4."""
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", *_sets(text_dataset), "--max-steps", str(STEPS),
+                           "--out", str(out))  # fmt: skip
+    assert code == 0, err
+    return out
+
+
+def _steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+
+
+def test_resuming_a_runs_checkpoints_folder_continues_the_run_itself(finished, capsys):
+    """`--resume RUN/checkpoints` used to nest a new run inside it (checkpoints/checkpoints)."""
+    assert run_of(finished / "checkpoints") == finished
+    assert run_of(finished / "checkpoints" / "step_00000002") == finished
+    code, _, err = run_cli(capsys, "train", "--resume", str(finished / "checkpoints"),
+                           "--max-steps", "6", "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert not (finished / "checkpoints" / "checkpoints").exists()
+    assert not (finished / "checkpoints" / "metrics.jsonl").exists()
+    assert _steps(finished) == list(range(1, 7)) and _checkpoints(finished)[-1] == "step_00000006"
+
+
+def test_resuming_a_dataset_says_it_is_not_a_run(text_dataset, capsys):
+    code, _, err = run_cli(capsys, "train", "--resume", str(text_dataset), "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not a checkpoint" in err and "format_version" not in err and "--out" in err
+
+
+def test_resuming_a_finished_run_is_refused_with_the_fix(finished, capsys):
+    """It printed "checkpoint None" and exited 0, having trained nothing."""
+    code, out, err = run_cli(capsys, "train", "--resume", str(finished), "--no-progress")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"at step {STEPS}" in err and f"--max-steps N (N > {STEPS})" in err
+    assert "None" not in out + err
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_aside_and_says_so(finished, capsys, caplog):
+    """Resumed from step 2 of a run that reached 4: the step-4 checkpoint is moved out of the
+    way (kept), so the run's newest checkpoint is what this run saves, and a later --resume
+    continues this run, not the abandoned one."""
+    older = finished / "checkpoints" / "step_00000002"
+    with caplog.at_level(logging.WARNING, logger="atom.run_dir"):
+        code, out, err = run_cli(capsys, "train", "--resume", str(older), "--max-steps", "3",
+                                 "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert "step_00000004" in caplog.text and "set aside" in caplog.text
+    assert (finished / "checkpoints" / "superseded" / "step_00000004" / "meta.json").exists()
+    assert _checkpoints(finished) == ["step_00000002", "step_00000003"]
+    assert _steps(finished) == [1, 2, 3]
+    # the shorter schedule is said, and the LR follows the planned curve
+    assert "train.max_steps: 4 -> 3; the LR keeps its planned decay over 4 steps" in out
+    code, _, err = run_cli(capsys, "train", "--resume", str(finished), "--max-steps", "5",
+                           "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert _steps(finished) == [1, 2, 3, 4, 5]
+
+
+def test_continue_from_keeps_every_set_aside_checkpoint(tmp_path):
+    run = tmp_path / "r"
+    for step in (1, 2):
+        (run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+    assert continue_from(run, 1) == [run / "checkpoints" / "superseded" / "step_00000002"]
+    (run / "checkpoints" / "step_00000002").mkdir()  # trained again, then resumed from 1 again
+    moved = continue_from(run, 1)
+    assert moved == [run / "checkpoints" / "superseded" / "step_00000002.1"]
+    assert sorted(p.name for p in (run / "checkpoints" / "superseded").iterdir()) == [
+        "step_00000002", "step_00000002.1"
+    ]  # fmt: skip
+
+
+def test_a_resumed_planned_run_does_not_say_it_has_no_plan(finished, capsys):
+    code, out, err = run_cli(capsys, "train", "--resume", str(finished), "--max-steps", "5",
+                             "--no-progress")  # fmt: skip
+    assert code == 0, err
+    assert "no --plan" not in out
+
+
+def test_a_restarted_peer_is_told_the_command_that_works(finished, capsys):
+    """README: "a restarted one rejoins". Re-running its first command is refused (the run
+    directory holds its run): the line gives --resume with the peer's own flags."""
+    argv = ["train", "--out", str(finished), "--listen", "tcp://127.0.0.1:0", "--join",
+            "tcp://127.0.0.1:5555", "--no-progress"]  # fmt: skip
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (
+        f"atom train --resume {finished} --listen tcp://127.0.0.1:0 --join tcp://127.0.0.1:5555"
+        in err
+    )
+
+
+def test_missing_data_is_said_before_a_taken_run_directory(finished, capsys):
+    code, _, err = run_cli(capsys, "train", "--out", str(finished), "--set",
+                           "train.data=/no/such/data", "--no-progress")  # fmt: skip
+    assert code == 2 and "/no/such/data" in err and "already holds" not in err
