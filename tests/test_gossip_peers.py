@@ -8,6 +8,8 @@ trains here, so every change to the weights is gossip's doing and can be checked
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
 import msgpack
@@ -423,11 +425,40 @@ def test_only_allow_listed_peers_reach_the_averager(group, tmp_path):
     finally:
         ctx.term()
     assert torch.equal(weights(a), before)
-    with pytest.raises(GossipError, match="no group member answered"):
+    with pytest.raises(GossipError, match="group with keys"):
         group("mallory", seed=3, join=a.endpoint, join_timeout_s=1.0)  # no key: cannot join
     b = group(None, seed=2, group_key=str(bundles[1]), join=a.endpoint)
     assert b.id == "bob" and b.group == a.group
     wait_until(lambda: a.counters.get("served.ok") >= 1, 10, "an authenticated exchange")
+
+
+def test_a_joiner_with_no_key_or_a_wrong_one_is_told_at_once(group, tmp_path, caplog):
+    """A keyless peer dialling a keyed group waited out its join timeout in silence, and
+    the member logged nothing: now the joiner learns why within a heartbeat (one line with
+    the fix) and the member logs each refused address once."""
+    bundles = keygen(tmp_path / "keys", ["alice", "bob"])
+    foreign = keygen(tmp_path / "other", ["eve"])[0]
+    dave = keygen(tmp_path / "keys", ["dave"])[0]  # of the group, but alice drops him:
+    (bundles[0] / "allowed" / "dave.key").unlink()
+    a = group(None, seed=1, group_key=str(bundles[0]))
+    keyless = group("open", seed=4)
+    cases = [
+        (a, None, "belongs to a group with keys: this peer needs its own key bundle"),
+        (a, foreign, "refused this peer's CURVE handshake: its group key differs"),
+        (a, dave, "does not allow this peer's key (dave)"),
+        (keyless, bundles[1], "runs without a group key: drop --group-key"),
+    ]
+    with caplog.at_level(logging.WARNING):
+        for member, bundle, needle in cases:
+            t0 = time.monotonic()
+            with pytest.raises(GossipError, match=re.escape(needle)) as err:
+                group(None if bundle else "x", seed=3, join=member.endpoint,
+                      join_timeout_s=20.0, group_key=str(bundle) if bundle else "")  # fmt: skip
+            assert time.monotonic() - t0 < 5, f"waited for the join timeout: {needle}"
+            assert member.endpoint in str(err.value) and "\n" not in str(err.value)
+        wait_until(lambda: "refused 127.0.0.1: its key" in caplog.text, 5, "the denied address")
+    assert "refused a connection without a group key" in caplog.text
+    assert caplog.text.count("refused 127.0.0.1: its key") == 1  # rate-limited per address
 
 
 def test_goodbye_crash_and_restart(group):

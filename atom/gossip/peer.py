@@ -35,6 +35,7 @@ from atom.gossip.merge import UnitParams, make_merge
 from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import get_codec
 from atom.gossip.net.counters import Counters, LogLimiter
+from atom.gossip.net.handshake import SeedWatch
 from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Incoming, Reply, Server
@@ -259,11 +260,14 @@ class GossipPeer:
         if err.sender and err.sender != self.id:
             self.table.penalise(err.sender)
 
-    def _on_denied(self, key: str) -> None:
+    def _on_denied(self, key: str, address: str) -> None:
         self.counters.inc("auth.denied")
-        self.limiter.warning(
-            "denied", "refused a client whose key %s... is not in the allow-list", key[:8]
-        )
+        self.limiter.warning(  # a line per address: each is someone to tell (or to block)
+            f"denied:{address}",
+            "refused %s: its key %s... is not in this group's allow-list (a new member: "
+            "`atom keygen DIR --peers NAME` adds it, and members re-read allowed/)",
+            address or "a client", key[:8],
+        )  # fmt: skip
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -312,17 +316,7 @@ class GossipPeer:
         """Find the group through the seeds, copy its parameters and step, start mixing."""
         self.membership.start()
         if self.cfg.seeds:
-            deadline = time.monotonic() + self.cfg.join_timeout_s
-            while not self._ready_sources():
-                if self.join_refusal is not None:
-                    raise GossipError(_refusal_message(*self.join_refusal))
-                if time.monotonic() > deadline:
-                    raise GossipError(
-                        f"no group member answered at {', '.join(self.cfg.seeds)} within "
-                        f"{self.cfg.join_timeout_s:.0f}s; check the address, the firewall and "
-                        "--group-key, or start the first peer without --join"
-                    )
-                self.stop.wait(0.1)
+            self._reach_a_member()
             if self.cfg.pull_state:
                 step, samples, source = self.averager.pull_state(
                     self._ready_sources, self.cfg.join_timeout_s
@@ -338,6 +332,28 @@ class GossipPeer:
         self.averager.start()
         self._wait_for_peers()
         self.write_status()
+
+    def _reach_a_member(self) -> None:
+        """Wait until a seed's member answers; a refusal (another model, no or another
+        key) ends the wait at once with the reason, not at the join timeout."""
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        watch = SeedWatch(self.ctx, self.keys, self.cfg.seeds)
+        try:
+            while not self._ready_sources():
+                if self.join_refusal is not None:
+                    raise GossipError(_refusal_message(*self.join_refusal))
+                refused = watch.refusal()
+                if refused:
+                    raise GossipError(f"{refused}; this peer cannot join")
+                if time.monotonic() > deadline:
+                    raise GossipError(
+                        f"no group member answered at {', '.join(self.cfg.seeds)} within "
+                        f"{self.cfg.join_timeout_s:.0f}s; check the address, the firewall and "
+                        "--group-key, or start the first peer without --join"
+                    )
+                self.stop.wait(0.1)
+        finally:
+            watch.close()
 
     def _wait_for_peers(self) -> None:
         """gossip.wait_peers: start together (a group of friends, a fair experiment)."""

@@ -177,11 +177,19 @@ class AllowList:
 
 
 class GroupAuthenticator(ThreadAuthenticator):
-    """ZAP in a thread; a connection's User-Id is its key's allow-list name."""
+    """ZAP in a thread; a connection's User-Id is its key's allow-list name. A refused key
+    is reported with the address it came from (`address`, read by the allow-list)."""
 
     def __init__(self, ctx: zmq.Context, allow: AllowList):
         super().__init__(ctx, log=logging.getLogger("atom.gossip.zap"))
         self.allow = allow
+        self.address = ""  # of the request being handled (one ZAP thread: one at a time)
+
+    def handle_zap_message(self, msg: list[bytes]):
+        # the request's frames: version, id, domain, address, ...; pyzmq's handler is a
+        # coroutine in newer releases, a plain method in older ones: return what it returns
+        self.address = msg[3].decode("ascii", "replace") if len(msg) > 3 else ""
+        return super().handle_zap_message(msg)
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         # called with the raw 32 bytes; the allow-list (like the ZAP callback) holds z85
@@ -189,9 +197,9 @@ class GroupAuthenticator(ThreadAuthenticator):
 
 
 def start_authenticator(
-    ctx: zmq.Context, keys: GroupKeys, on_denied: Callable[[str], None]
+    ctx: zmq.Context, keys: GroupKeys, on_denied: Callable[[str, str], None]
 ) -> ThreadAuthenticator:
-    allow = AllowList(keys.allowed_dir, on_denied)
+    allow = AllowList(keys.allowed_dir, lambda key: on_denied(key, auth.address))
     auth = GroupAuthenticator(ctx, allow)
     auth.start()
     auth.configure_curve_callback("*", credentials_provider=allow)

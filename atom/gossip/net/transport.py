@@ -28,6 +28,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from atom.errors import ConfigError
 from atom.gossip.net.counters import Counters, LogLimiter
+from atom.gossip.net.handshake import FAILED as HANDSHAKE_FAILED
+from atom.gossip.net.handshake import member_note
 from atom.gossip.net.keys import GroupKeys, secure_server
 from atom.gossip.net.limits import RateLimiter, RequestLimits
 from atom.gossip.net.memguard import InboundMemoryGuard
@@ -49,11 +51,6 @@ Reply = tuple[dict[str, Any], list[Any]] | tuple[dict[str, Any], list[Any], Call
 POLL_MS = 100  # the I/O loop notices `stop` within this
 REQUESTS = {"ping", "probe", "bye", "xreq", "sreq"}
 PAUSE_S = 0.05  # what a server is sent; the rest answer
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 _server_ids = itertools.count()
 
 
@@ -239,12 +236,9 @@ class Server:
                     while monitor.poll(0):
                         event = recv_monitor_message(monitor)
                         self.counters.inc("auth.handshake_failed")
-                        self.limiter.warning(
-                            "handshake",
-                            "refused a connection that failed the CURVE handshake "
-                            "(no or wrong group key; zmq event %s)",
-                            event.get("event"),
-                        )
+                        note = member_note(event)
+                        if note:
+                            self.limiter.warning(f"handshake:{event['value']}", note)
         except ConfigError as err:  # could not listen again after a recycle
             self.log.error("%s; this peer no longer serves gossip (training goes on)", err)
         except Exception:
@@ -261,7 +255,7 @@ class Server:
         monitor = None
         if self.keys:
             try:  # only for the log line on failed handshakes: not worth dying for
-                monitor = router.get_monitor_socket(_HANDSHAKE_FAILED)
+                monitor = router.get_monitor_socket(HANDSHAKE_FAILED)
             except zmq.ZMQError as err:  # EMFILE, during the very recycle that frees files
                 self.log.debug("no handshake monitor: %s", err)
         if monitor is not None:
