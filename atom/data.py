@@ -297,7 +297,7 @@ def prepare(
 
     chunks = _documents(tokens(), records) if records else (chunk for _, chunk in tokens())
     meta = _write_dataset(chunks, Path(out_dir), tok, val_fraction, source, bool(records))
-    logger.info(
+    logger.debug(
         "prepared %s: %d train + %d val tokens", out_dir, meta.train_tokens, meta.val_tokens
     )
     return meta

@@ -24,6 +24,7 @@ from atom.config import Config
 from atom.model import build_model, materialize
 from atom.model.kv_cache import KVCache
 from atom.text import chat_template, tokenizer_json
+from atom.threads import decode_threads
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Generated:
     seconds: float
     stopped_at_eos: bool  # or at the end of the assistant's turn (chat)
     reply: str = ""  # what the model wrote, without the prompt or the end marker
+    threads: int = 1  # the CPU threads it ran on
 
     @property
     def tokens_per_s(self) -> float:
@@ -113,22 +115,23 @@ def generate(
     n_prompt = idx.size(1)
     cache = KVCache(cfg.model.n_layer) if use_cache else None
     started, made, stopped = time.perf_counter(), 0, False
-    for _ in range(n_tokens):
-        logits = _next_logits(model, idx, cfg.model.seq_len, cache) / max(temperature, 1e-5)
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
-        if eos is not None and int(nxt) == eos:
-            stopped = True
-            break
-        idx = torch.cat([idx, nxt], dim=1)
-        made += 1
-        if stop is not None and stop in decode(idx[0, n_prompt:].tolist()):
-            stopped = True
-            break
+    with decode_threads(cfg.model.d_model) as threads:
+        for _ in range(n_tokens):
+            logits = _next_logits(model, idx, cfg.model.seq_len, cache) / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+            if eos is not None and int(nxt) == eos:
+                stopped = True
+                break
+            idx = torch.cat([idx, nxt], dim=1)
+            made += 1
+            if stop is not None and stop in decode(idx[0, n_prompt:].tolist()):
+                stopped = True
+                break
     seconds = time.perf_counter() - started
     reply = decode(idx[0, n_prompt:].tolist())
     if stop is not None:
         reply = reply.split(stop, 1)[0]
-    return Generated(decode(idx[0].tolist()), made, seconds, stopped, reply)
+    return Generated(decode(idx[0].tolist()), made, seconds, stopped, reply, threads)

@@ -16,7 +16,8 @@ neither the compute thread nor threads started later (checkpoint writer, gossip)
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -53,3 +54,23 @@ def host_worker_threads(device_type: str) -> int:
     if device_type == "cuda":  # torch's default: physical cores, not hyperthreads
         return max(1, torch.get_num_threads() - 1)
     return 1
+
+
+# A token decoded at batch 1 is matrix-vector products over d_model x 4*d_model weights:
+# below this many elements an OpenMP team's wake-ups cost more than its threads save (the
+# 0.8M-parameter default model generated 11-37 tokens/s on every core of a loaded box,
+# 478-501 on one thread).
+SMALL_MATVEC = 1 << 20
+
+
+@contextmanager
+def decode_threads(d_model: int) -> Iterator[int]:
+    """Run token-by-token decoding of a model `d_model` wide on the threads that suit it:
+    one for a small model, torch's default otherwise. Yields the count; restores it."""
+    before = torch.get_num_threads()
+    use = 1 if 4 * d_model * d_model < SMALL_MATVEC else before
+    torch.set_num_threads(use)
+    try:
+        yield use
+    finally:
+        torch.set_num_threads(before)

@@ -75,9 +75,13 @@ class Plan:
     def apply(self, cfg: Config) -> Config:
         """cfg with this plan's partition and batch; refuses a plan made for another model."""
         # keys added to the model section since the plan was made take their default
-        if {**ModelConfig().__dict__, **self.model} != cfg.to_dict()["model"]:
+        planned, now = {**ModelConfig().__dict__, **self.model}, cfg.to_dict()["model"]
+        differ = [k for k in sorted(set(planned) | set(now)) if planned.get(k) != now.get(k)]
+        if differ:
+            said = "; ".join(f"model.{k} {planned.get(k)!r} in the plan, {now.get(k)!r} here"
+                             for k in differ[:3])  # fmt: skip
             raise ConfigError(
-                "the plan was made for a different model config; run `atom "
+                f"the plan was made for a different model config ({said}); run `atom "
                 "profile` with the same --config/--set model.* values"
             )
         swap = dict(self.swap)

@@ -4,6 +4,7 @@ plans, and return the ranked plans. The CLI prints the table and writes plan.jso
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from tqdm import tqdm
@@ -94,13 +95,23 @@ def run_profile(
             for b in sizes
             if target % b == 0 and cache.pieces(b) is None and (too_big is None or b < too_big)
         ]
-        for mb in tqdm(
-            missing, desc="timing one block", unit="batch size", disable=not progress or not missing
-        ):
+        clock = timing.MeasureClock(ModelAnalysis.of(cfg), device, dtype) if missing else None
+        if missing:
+            log.info(
+                "timing one block at micro-batch %s: about %s in all (measured once, cached)",
+                ", ".join(map(str, missing)), timing.say_seconds(sum(map(clock.seconds, missing))),
+            )  # fmt: skip
+        bar = tqdm(missing, desc="timing one block", unit="batch size",
+                   disable=not progress or not missing)  # fmt: skip
+        for mb in bar:
+            ahead = f"micro-batch {mb}: about {timing.say_seconds(clock.seconds(mb))}"
+            bar.set_postfix_str(ahead)
             if not progress:  # not a terminal: a log line per measurement instead
-                log.info("timing one block at micro-batch %d", mb)
+                log.info("timing one block at %s", ahead)
             try:
+                started = time.perf_counter()
                 cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
+                clock.measured(mb, time.perf_counter() - started)
             except torch.cuda.OutOfMemoryError:
                 # One block (or the head's B x T x V logits) at this micro-batch does not
                 # fit the device: no plan can use it or anything larger. Back off.

@@ -453,3 +453,26 @@ def test_a_run_left_in_the_checkout_does_not_change_a_test(own_working_directory
     assert Path.cwd() == own_working_directory
     assert not any(own_working_directory.iterdir())
     assert Path.cwd().resolve() != Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "argv,code",
+    [(["profile", "--hardware", "rtx3090", "--host-mem", "8GiB"], 141), (["--help"], 0)],
+)
+def test_a_closed_pipe_ends_the_command_quietly(argv, code):
+    """`atom profile | head -1`: the reader leaves; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "atom.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first line
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err  # 141: 128 + SIGPIPE, as a shell says it
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_every_generate_option_is_explained(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, words in (("--tokens", "tokens to generate"), ("--temperature", "likeliest"),
+                          ("--top-k", "k likeliest"), ("--seed", "same text")):  # fmt: skip
+        assert option in text and words in text, option

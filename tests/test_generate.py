@@ -165,3 +165,30 @@ def test_chat_with_a_bpe_tokenizer_stops_at_a_special_end_of_turn(tmp_path, monk
     assert seen[0].count(bos) == 1 and seen[0][0] == bos
     assert out.reply == "Blue." and out.stopped_at_eos
     assert out.tokens == len(script) - len(tok.encode(" more", add_special_tokens=False).ids)
+
+
+def test_a_small_model_decodes_on_one_thread_and_leaves_the_count_alone(tmp_path, monkeypatch):
+    """A 0.8M-parameter model decoded 11-37 tokens/s on every core of a loaded box and
+    478-501 on one: token-by-token decoding of a small model runs on one thread."""
+    import atom.generate as gen_mod
+    from atom.threads import decode_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with decode_threads(64) as n:
+            assert n == 1 == torch.get_num_threads()
+        assert torch.get_num_threads() == 2
+        with decode_threads(2048) as n:  # a wide model: matrix-vector products worth a team
+            assert n == 2 == torch.get_num_threads()
+        seen, real = [], gen_mod._next_logits
+
+        def counting(*args):
+            seen.append(torch.get_num_threads())
+            return real(*args)
+
+        monkeypatch.setattr(gen_mod, "_next_logits", counting)
+        out = generate(_run_dir(tmp_path, {}), "the ", 5, seed=1)
+        assert out.threads == 1 and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import psutil
@@ -163,8 +164,10 @@ def test_plan_round_trips(tmp_path):
     plan.save(path)
     again = Plan.load(path)
     assert again == plan
-    with pytest.raises(ConfigError, match="different model"):
-        again.apply(replace(cfg, model={"n_layer": 5}))
+    with pytest.raises(
+        ConfigError, match=r"different model config \(model.n_layer 3 in the plan, 5"
+    ):
+        again.apply(replace(cfg, model={"n_layer": 5}))  # the key that differs is named
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         Plan.load(path)
@@ -207,7 +210,10 @@ def test_profile_and_train_with_the_plan_through_the_cli(
     said = [r.getMessage() for r in caplog.records]
     assert "measuring this machine: host AdamW" in said
     assert "measuring this machine: host<->device bandwidth" in said
-    assert any(m.startswith("timing one block at micro-batch") for m in said)
+    # ... and how long it will take (a 2.7B block sat 90 s in silence)
+    assert any(re.match(r"timing one block at micro-batch 1: about \d+ (s|min)$", m) for m in said)
+    assert any(re.match(r"timing one block at micro-batch 1, .*: about \d+ (s|min) in all", m)
+               for m in said)  # fmt: skip
     assert (
         main(
             [
@@ -402,3 +408,15 @@ def test_profile_says_the_host_ram_and_pinned_bytes_of_its_choice(tmp_path, caps
     pinned = detail["pinned_bytes"]
     assert pinned > 0
     assert f"{pinned / 2**30:.2f} GiB of it pinned" in printed
+
+
+def test_the_block_timing_estimate_follows_the_measurements():
+    """Said before each measurement: from a matmul's rate first, then from what the
+    measurements so far took (the work grows with the micro-batch)."""
+    from profiler.timing import MeasureClock, say_seconds
+
+    clock = MeasureClock(ModelAnalysis.of(tiny_config()), torch.device("cpu"), torch.float32)
+    assert 0 < clock.seconds(1) < 60 and clock.seconds(4) == pytest.approx(4 * clock.seconds(1))
+    clock.measured(2, 10.0)
+    assert clock.seconds(8) == pytest.approx(40.0)
+    assert say_seconds(40.0) == "40 s" and say_seconds(600.0) == "10 min"

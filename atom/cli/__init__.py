@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -143,10 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("run", help="run directory or checkpoint directory")
     g.add_argument("--prompt", default="\n", help="text to continue")
-    g.add_argument("--tokens", type=int, default=200, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokens", type=int, default=200, help="most tokens to generate (default 200)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature: lower is more predictable, 0 always takes the likeliest "
+        "token (default 0.8)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=50,
+        help="sample among the k likeliest tokens only; 0: all (default 50)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=0, help="random seed: the same seed, the same text (default 0)"
+    )
     g.add_argument(
         "--no-cache", action="store_true", help="re-run the whole context for every token"
     )
@@ -312,7 +326,7 @@ def cmd_generate(args) -> int:
     end = "the end of the turn" if args.chat else "the end-of-text token"
     print(
         f"atom: {out.tokens} tokens in {out.seconds:.2f} s ({out.tokens_per_s:,.0f} tokens/s, "
-        f"KV cache {'off' if args.no_cache else 'on'})"
+        f"KV cache {'off' if args.no_cache else 'on'}, {out.threads} CPU thread(s))"
         + (f"; stopped at {end}" if out.stopped_at_eos else ""),
         file=sys.stderr,
     )
@@ -345,6 +359,16 @@ def raise_open_file_limit(want: int = 65536) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `atom profile | head -1`: the reader left; so do we, quietly
+        # the interpreter flushes stdout again at exit: point it at nothing first
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command a pipe closed on
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
