@@ -31,7 +31,9 @@ def joiner_verdict(event: dict, endpoint: str, keys: GroupKeys | None) -> str | 
     if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
         return None
     where = f"the member at {endpoint}"
-    if _mechanism_mismatch(event):
+    # a member hanging up mid-handshake, again and again, says no more than that: the
+    # mechanism mismatch often looks like it from here (the member closes first)
+    if _mechanism_mismatch(event) or (hung_up(event) and keys is None):
         if keys is None:
             return (
                 f"{where} belongs to a group with keys: this peer needs its own key bundle "
@@ -48,13 +50,19 @@ def joiner_verdict(event: dict, endpoint: str, keys: GroupKeys | None) -> str | 
             "key directory and give the members its allowed/ entry (they re-read it)"
         )
     return (
-        f"{where} refused this peer's CURVE handshake: its group key differs from this "
-        "peer's bundle (a bundle from another `atom keygen`?)"
+        f"{where} refused this peer's CURVE handshake: it runs with another group's key "
+        "(a bundle from another `atom keygen`?) or without one"
     )
 
 
+def hung_up(event: dict) -> bool:
+    """A client that closed its connection mid-handshake (a joiner's seed watch done, a
+    peer stopping): no refusal, nothing to count or say."""
+    return event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
 def member_note(event: dict) -> str | None:
-    """The member's line for a failed incoming handshake (a refused key is said by the
+    """The member's line for a refused incoming handshake (a refused key is said by the
     allow-list, with its address: None here)."""
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return None
@@ -63,23 +71,28 @@ def member_note(event: dict) -> str | None:
             "refused a connection without a group key (a peer started without --group-key: "
             "it is told to add one)"
         )
-    return (
-        "refused a connection that failed the CURVE handshake (another group's key?; zmq "
-        f"event {event['event']})"
-    )
+    return "refused a connection with another group's key (its CURVE handshake failed)"
 
 
 class SeedWatch:
     """A joiner's view of its seeds' handshakes: one quiet connection per seed, monitored,
-    that sends nothing. `refusal()` is one line once every seed refused this peer."""
+    that sends nothing. `refusal()` is one line once every seed refused this peer.
+
+    A member that hangs up mid-handshake says nothing more (zmq's "no detail"): that is what
+    a wrong group key looks like from here, and also a member busy reopening its listener,
+    so it counts as a refusal only after HANG_UPS in a row (zmq redials every 100 ms)."""
+
+    HANG_UPS = 5
 
     def __init__(self, ctx: zmq.Context, keys: GroupKeys | None, endpoints: list[str]):
         self.keys = keys
         self._watched: list[tuple[str, zmq.Socket, zmq.Socket]] = []
         self._verdicts: dict[str, str | None] = {}
+        self._hang_ups: dict[str, int] = {}
         for endpoint in endpoints:
             sock = ctx.socket(zmq.DEALER)
             sock.linger = 0
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
             secure_client(sock, keys)
             monitor = sock.get_monitor_socket(FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(endpoint)
@@ -89,8 +102,15 @@ class SeedWatch:
         for endpoint, _, monitor in self._watched:
             while monitor.poll(0):
                 event = recv_monitor_message(monitor)
-                if self._verdicts.get(endpoint, "") is not None:  # a success is final
-                    self._verdicts[endpoint] = joiner_verdict(event, endpoint, self.keys)
+                if endpoint in self._verdicts:  # a success, or a refusal that said why
+                    continue
+                if hung_up(event):
+                    self._hang_ups[endpoint] = self._hang_ups.get(endpoint, 0) + 1
+                    if self._hang_ups[endpoint] < self.HANG_UPS:
+                        continue
+                else:
+                    self._hang_ups[endpoint] = 0
+                self._verdicts[endpoint] = joiner_verdict(event, endpoint, self.keys)
         said = [self._verdicts.get(ep, "") for ep, _, _ in self._watched]
         if said and all(said):  # every seed answered, and each refused
             return said[0]

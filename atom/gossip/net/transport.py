@@ -29,7 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from atom.errors import ConfigError
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.handshake import FAILED as HANDSHAKE_FAILED
-from atom.gossip.net.handshake import member_note
+from atom.gossip.net.handshake import hung_up, member_note
 from atom.gossip.net.keys import GroupKeys, secure_server
 from atom.gossip.net.limits import RateLimiter, RequestLimits
 from atom.gossip.net.memguard import InboundMemoryGuard
@@ -235,6 +235,8 @@ class Server:
                 if monitor is not None and monitor in events:
                     while monitor.poll(0):
                         event = recv_monitor_message(monitor)
+                        if hung_up(event):
+                            continue
                         self.counters.inc("auth.handshake_failed")
                         note = member_note(event)
                         if note:
