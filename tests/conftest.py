@@ -83,4 +83,9 @@ def own_working_directory(tmp_path_factory, monkeypatch):
     writes runs/default) cannot change a test's outcome."""
     work = tmp_path_factory.mktemp("cwd")  # beside tmp_path, which stays the test's own
     monkeypatch.chdir(work)
+    # and an environment of its own: a command run in-process (gpu_check's main sets its
+    # deadline in os.environ) must not cut a later test's child short
+    environ = dict(os.environ)
     yield work
+    os.environ.clear()
+    os.environ.update(environ)
