@@ -30,7 +30,7 @@ class Process:
 
 def _guard(proc: Process) -> InboundMemoryGuard:
     return InboundMemoryGuard(64 * MB, every_s=0.0, read=proc.read, trim=proc.trim,
-                              confirm_s=0.05, trim_every_s=1.0)  # fmt: skip
+                              confirm_s=0.05)  # fmt: skip
 
 
 def _watch(guard: InboundMemoryGuard, seconds: float, step=None) -> int:
@@ -49,6 +49,8 @@ def test_freed_heap_the_c_library_holds_is_not_messages():
     guard = _guard(proc)
     proc.held = 100 * MB  # a training step freed it; glibc keeps it (the honest case seen)
     assert _watch(guard, 0.3) == 0 and proc.trims == 1
+    proc.held = 100 * MB  # and again, at once (the next step): given back again
+    assert _watch(guard, 0.3) == 0 and proc.trims == 2
 
 
 def test_working_memory_that_comes_and_goes_is_not_messages():

@@ -107,11 +107,9 @@ def _trim() -> None:
 
 class InboundMemoryGuard:
     def __init__(self, limit_bytes: int, every_s: float = 0.05, read=None, trim=_trim,
-                 confirm_s: float = 0.02, trim_every_s: float = 1.0):  # fmt: skip
-        self.limit, self.every_s = limit_bytes, every_s
-        self.confirm_s, self.trim_every_s = confirm_s, trim_every_s
+                 confirm_s: float = 0.02):  # fmt: skip
+        self.limit, self.every_s, self.confirm_s = limit_bytes, every_s, confirm_s
         self._suspect: tuple[float, int] | None = None  # (since, level) of growth that stayed
-        self._next_trim = 0.0
         self.read = read or (AnonMemory() if limit_bytes > 0 else (lambda: 0))
         self.trim = trim
         self.floor = self.level = self.read()
@@ -169,30 +167,25 @@ class InboundMemoryGuard:
         if self.level - self.floor <= self.limit:
             self._suspect = None
             return 0
-        if self._suspect is None:  # over: freed heap the C library holds is no message
-            if now >= self._next_trim:
-                self._next_trim = now + self.trim_every_s
-                self.trim()
-                self.level = self.read()
-                if self.level - self.floor <= self.limit:
-                    return 0
-            self._suspect = (now, self.level)
-            self._next = now + min(
-                self.every_s, self.confirm_s
-            )  # an attack grows fast: look again soon
+        # over: freed heap the C library holds is no message; give it back and look again
+        self.trim()
+        self.level = self.read()
+        if self.level - self.floor <= self.limit:
+            self._suspect = None
             return 0
-        since, seen = self._suspect
+        if self._suspect is None:
+            self._suspect = (now, self.level)
+            self._next = now + self.confirm_s  # an attack grows fast: look again soon
+            return 0
+        _, seen = self._suspect
+        self._suspect = None
         # it fell well back: working memory, not unfinished messages (they only grow; a
         # little noise from other threads' frees is allowed)
         if self.level < seen - self.limit // 4:
-            self._suspect = None
             return 0
-        if now - since < self.confirm_s:
-            return 0
-        self._suspect = None
         return self.level - self.floor
 
-    def settle(self, wait_s: float = 0.3) -> int:
+    def settle(self, wait_s: float = 0.1) -> int:
         """With the listener closed: let libzmq free its pipes, trim, measure. Returns the
         bytes freed since over() saw the growth; when that is not most of it, the growth
         was someone else's and the new level becomes the floor."""
