@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf",
         required=True,
         metavar="OUT",
-        help="new directory for config.json, safetensors shards + index, tokenizer files",
+        help="new directory for config.json, model.safetensors (shards + index past "
+        "--max-shard-size), tokenizer files",
     )
     ex.add_argument(
         "--dtype",
