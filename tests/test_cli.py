@@ -476,3 +476,18 @@ def test_every_generate_option_is_explained(capsys):
     for option, words in (("--tokens", "tokens to generate"), ("--temperature", "likeliest"),
                           ("--top-k", "k likeliest"), ("--seed", "same text")):  # fmt: skip
         assert option in text and words in text, option
+
+
+def test_eval_of_a_text_file_is_quiet_and_scores_a_short_one(run_dir, tmp_path, capsys, caplog):
+    """It logged an INFO line about its temporary dataset; a text shorter than the context
+    was refused (now: one shorter window)."""
+    import logging
+
+    from atom.evaluate import evaluate_run
+
+    short = tmp_path / "short.txt"
+    short.write_text("the loss falls")  # 14 bytes: under seq_len 32
+    with caplog.at_level(logging.INFO):
+        r = evaluate_run(run_dir, short)
+    assert r.windows == 1 and r.tokens == 13
+    assert "prepared" not in caplog.text and "/tmp" not in caplog.text.replace(str(short), "")

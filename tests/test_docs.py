@@ -233,3 +233,13 @@ def test_every_relative_link_leads_to_a_file():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    """runs/ (the default run), keys/ (secret keys), data/ (prepared datasets), plan.json."""
+    proc = subprocess.run(["git", "check-ignore", "runs/default/x", "keys/alice/a.key_secret",
+                           "data/mine/meta.json", "plan.json"], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    if proc.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert len(proc.stdout.split()) == 4, proc.stdout
