@@ -40,8 +40,22 @@ class SharedUnit:
     write: Callable[[torch.Tensor], None]
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """How an engine trains, as the run's first line tells it."""
+
+    mode: str  # "resident", or "swapped: N units, ..."
+    pinned_bytes: int = 0  # page-locked host memory it holds
+    disk: str = ""  # where the NVMe tier keeps state, and how much ("" without one)
+
+
 class Engine(Protocol):
     """One optimizer step at a time over micro-batches (x, y) or (x, y, positions)."""
+
+    device: torch.device  # where it computes
+    dtype: torch.dtype  # the compute dtype there
+
+    def info(self) -> EngineInfo: ...
 
     def train_step(
         self, batches: list[tuple], lr: float, stop: Callable[[], bool] | None = None

@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from atom.config import Config, ConfigError
-from atom.engine import SharedUnit, StepResult
+from atom.engine import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model, lm_loss, materialize
 from atom.model.documents import micro_batch
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
@@ -149,6 +149,9 @@ class ResidentEngine:
     def shared_units(self) -> list[SharedUnit]:
         raise ConfigError("gossip averages the host master weights of the swap engine; "
                           "drop --resident")  # fmt: skip
+
+    def info(self) -> EngineInfo:
+        return EngineInfo("resident")
 
     def device_peak_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -334,13 +334,7 @@ class Trainer:
         fwd = m.n_layer * per_token["block"] + per_token["head"]
         recompute = 4 if self.cfg.swap.checkpoint and not self.resident else 3
         flops = recompute * fwd * tc.micro_batch * tc.grad_accum * m.seq_len
-        dtype = getattr(self.engine, "dtype", torch.float32)
-        return flops / _matmul_flops(self.engine_device(), dtype)
-
-    def engine_device(self):
-        return getattr(getattr(self.engine, "backend", None), "device", None) or getattr(
-            self.engine, "device", torch.device("cpu")
-        )
+        return flops / _matmul_flops(self.engine.device, self.engine.dtype)
 
     def run(self, max_steps: int | None = None) -> RunSummary:
         tc = self.cfg.train
@@ -350,7 +344,7 @@ class Trainer:
                 "each step will take about %.0f min here (%s, %.0f tokens a step): progress "
                 "shows once a step ends; Ctrl+C stops within seconds between units",
                 step_s / 60,
-                self.engine_device(),
+                self.engine.device,
                 tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len,
             )
         end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)

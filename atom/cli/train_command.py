@@ -99,31 +99,17 @@ def cmd_train(args) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
         prediction=plan.prediction if plan else None,
     )
-    mode = (
-        "resident"
-        if args.resident
-        else (
-            f"swapped: {len(trainer.engine.units)} units, "
-            f"{cfg.swap.layers_per_unit} layer(s)/unit, prefetch {cfg.swap.prefetch}"
-        )
-    )
+    info = trainer.engine.info()
     n_params = sum(t.numel() for t in trainer.engine.named_parameters().values())
     host = host_bytes_needed(cfg, trainer.engine.dtype)[1]
-    backend = getattr(trainer.engine, "backend", None)
-    pinned = getattr(backend, "pinned_bytes", 0)
-    tier = getattr(trainer.engine, "tier", None)
     print(
         f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
-        f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} [{mode}] "
-        f"from step {trainer.start_step}; host RAM for model state {host / 2**30:.2f} GiB"
-        + (f" ({pinned / 2**30:.2f} GiB of it pinned)" if pinned else "")
+        f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} "
+        f"[{info.mode}] from step {trainer.start_step}; host RAM for model state "
+        f"{host / 2**30:.2f} GiB"
+        + (f" ({info.pinned_bytes / 2**30:.2f} GiB of it pinned)" if info.pinned_bytes else "")
         + (f", {cfg.swap.state} state" if cfg.swap.state != "fp32" else "")
-        + (
-            f"; {tier.disk_bytes / 2**30:.2f} GiB on disk in {tier.dir}"
-            f"{'' if tier.direct else ' (buffered: this filesystem refuses O_DIRECT)'}"
-            if tier
-            else ""
-        ),
+        + (f"; {info.disk}" if info.disk else ""),
         flush=True,
     )
     main_thread = threading.current_thread() is threading.main_thread()

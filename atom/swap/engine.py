@@ -31,7 +31,7 @@ import torch
 
 from atom.compact_adamw import ChunkScratch, CompactAdamW
 from atom.config import Config
-from atom.engine import SharedUnit, StepResult
+from atom.engine import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model
 from atom.model.documents import micro_batch
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
@@ -607,6 +607,22 @@ class SwapEngine:
     def shared_units(self) -> list[SharedUnit]:
         """Every unit's weights, for peers to average (under the units' locks)."""
         return [self.store.shared_unit(i) for i in range(len(self.units))]
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def info(self) -> EngineInfo:
+        s, tier = self.cfg.swap, self.tier
+        mode = f"swapped: {len(self.units)} units, {s.layers_per_unit} layer(s)/unit, " \
+               f"prefetch {s.prefetch}"  # fmt: skip
+        disk = (
+            f"{tier.disk_bytes / 2**30:.2f} GiB on disk in {tier.dir}"
+            + ("" if tier.direct else " (buffered: this filesystem refuses O_DIRECT)")
+            if tier
+            else ""
+        )
+        return EngineInfo(mode, self.backend.pinned_bytes, disk)
 
     def device_peak_bytes(self) -> int:
         return self.backend.peak_allocated() or self.ledger.peak
