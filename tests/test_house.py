@@ -7,7 +7,12 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,3 +83,49 @@ def test_nothing_below_the_cli_prints_or_exits():
                 if called == "print" or (owner == "sys" and called == "exit"):
                     found.append(f"{name}:{node.lineno} {owner + '.' if owner else ''}{called}")
     assert found == []
+
+
+def test_every_package_is_installed():
+    """pyproject lists its packages (configs/ installs as atom.configs): a new one left off
+    the list would be missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])  # fmt: skip
+    found = {
+        ".".join(p.relative_to(ROOT).parts)
+        for top in ("atom", "profiler")
+        for p in [ROOT / top, *(ROOT / top).rglob("*")]
+        if p.is_dir() and any(p.glob("*.py"))
+    }
+    assert found <= listed and "atom.configs" in listed, sorted(found - listed)
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_runs_from_anywhere(tmp_path):
+    """`pip install .` (not editable): named configs are found, training and profiling run
+    from another directory (configs/ used to be looked up outside the package)."""
+    site = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if build.returncode != 0 and "No module named" in build.stderr:
+        pytest.skip(f"cannot build here: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr[-2000:]
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}  # the installed copy, not the checkout
+    for argv in (
+        ["train", "--config", "gpt2-124m", "--max-steps", "1", "--set", "model.n_layer=2",
+         "--set", "model.d_model=64", "--set", "model.n_head=2", "--set", "model.seq_len=64",
+         "--set", "train.micro_batch=2", "--set", "train.eval_batches=1", "--no-progress"],
+        ["profile", "--config", "llama-7b", "--gpu-mem", "24GiB", "--hardware", "rtx4090"],
+    ):  # fmt: skip
+        code = ("import atom, sys; print(atom.__file__); from atom.cli import main; "
+                "sys.exit(main(sys.argv[1:]))")  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", code, *argv], cwd=away, env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.startswith(str(site)), run.stdout[:200]  # the installed copy ran

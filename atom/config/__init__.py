@@ -19,7 +19,12 @@ import yaml
 from atom.config.gossip import GossipConfig
 from atom.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here too)
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# configs/ at the top of a checkout; installed (pip install ., a wheel) it is atom/configs
+_HERE = Path(__file__).resolve()
+CONFIG_DIR = next(
+    (d for d in (_HERE.parents[2] / "configs", _HERE.parents[1] / "configs") if d.is_dir()),
+    _HERE.parents[2] / "configs",
+)
 LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")  # train.logger (atom/loggers.py)
 
 
