@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from atom.config import Config, ConfigError, ModelConfig, replace
+from atom.config import Config, ConfigError, model_differences, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
 from atom.engine import Engine
@@ -220,12 +220,10 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
     def _open_resume(self, path: Path):
         ckpt = load_checkpoint(Path(path))
-        saved_model = ckpt.meta.get("config", {}).get("model")
-        if isinstance(saved_model, dict):  # keys added since it was saved take their default
-            saved_model = {**ModelConfig().__dict__, **saved_model}
-        if saved_model != self.cfg.to_dict()["model"]:
+        said = model_differences(ckpt.meta.get("config", {}).get("model"), self.cfg, "saved")
+        if said:
             raise CheckpointError(
-                f"checkpoint {ckpt.path} was trained with a different model config; "
+                f"checkpoint {ckpt.path} was trained with a different model config ({said}); "
                 "resume with the same --config/--set model.* values it was saved with"
             )
         return ckpt

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from atom.config import Config, ConfigError, ModelConfig, replace
+from atom.config import Config, ConfigError, model_differences, replace
 from profiler.analysis import ModelAnalysis, dtype_bytes
 from profiler.cost import Candidate, Prediction, predict
 from profiler.hardware import GiB, HardwareSpec
@@ -75,11 +75,8 @@ class Plan:
     def apply(self, cfg: Config) -> Config:
         """cfg with this plan's partition and batch; refuses a plan made for another model."""
         # keys added to the model section since the plan was made take their default
-        planned, now = {**ModelConfig().__dict__, **self.model}, cfg.to_dict()["model"]
-        differ = [k for k in sorted(set(planned) | set(now)) if planned.get(k) != now.get(k)]
-        if differ:
-            said = "; ".join(f"model.{k} {planned.get(k)!r} in the plan, {now.get(k)!r} here"
-                             for k in differ[:3])  # fmt: skip
+        said = model_differences(self.model, cfg, "in the plan")
+        if said:
             raise ConfigError(
                 f"the plan was made for a different model config ({said}); run `atom "
                 "profile` with the same --config/--set model.* values"

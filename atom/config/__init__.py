@@ -457,3 +457,16 @@ __all__ = [
     "load_config",
     "replace",
 ]
+
+
+def model_differences(saved: Any, cfg: Config, where: str = "saved") -> str:
+    """ "" when `saved` (a model section as a plan or checkpoint stored it) is the model of
+    `cfg`, else the keys that differ ("model.n_layer 24 saved, 32 here; ..."). Keys added to
+    ModelConfig since it was stored take their defaults."""
+    now = cfg.to_dict()["model"]
+    if not isinstance(saved, dict):
+        return f"no model section {where}"
+    saved = {**ModelConfig().__dict__, **saved}
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    return "; ".join(f"model.{k} {saved.get(k)!r} {where}, {now.get(k)!r} here"
+                     for k in differ[:3])  # fmt: skip
