@@ -41,8 +41,9 @@ from atom.swap.host_store import HostStore, gather_owned
 from atom.swap.host_worker import HostWorker
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan
-from atom.swap.slots import DeviceSlots, MemoryLedger
+from atom.swap.slots import DeviceSlots, Held, MemoryLedger, params_saved_by_slot
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
+from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
 from atom.threads import host_worker_threads
 
 log = logging.getLogger(__name__)
@@ -53,16 +54,6 @@ def _sq_norm(t: torch.Tensor) -> float:
     if t.dtype == torch.float32:
         return float(torch.dot(t, t))
     return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
-
-
-@dataclass
-class _ParamRef:
-    """What the pack hook saves instead of a parameter tensor: where it sits in its unit."""
-
-    unit: int
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 @dataclass
@@ -104,10 +95,8 @@ class SwapEngine:
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1 + n_res, largest, compute_dtype)
         self.ledger = MemoryLedger(self.slots.nbytes)
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
-        self._set_update_mode(cfg.swap.update)
-        self._eager_coef = 1.0  # eager: the clip coefficient from the previous step's norm
-        self._eager_norm: float | None = None  # eager: the last finished step's norm
-        self.skipped_units = 0  # eager: unit updates skipped for non-finite gradients
+        self.timing = resolve_timing(cfg.swap.update, cfg.train.grad_clip, self.scaler is not None)
+        self.eager_clip = EagerClip(cfg.train.grad_clip)
         self.worker = HostWorker(self._unblock_all, host_worker_threads(backend.device.type))
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
@@ -123,17 +112,17 @@ class SwapEngine:
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
     # ------------------------------------------------------------------ setup helpers
-    def _set_update_mode(self, update: str) -> None:
-        # Without clipping or overflow checks no update needs the global norm, so each unit
-        # updates as soon as its grads are final, overlapping the rest of the backward.
-        self.deferred = self.cfg.train.grad_clip > 0 or self.scaler is not None
-        self.eager = update == "eager" and self.deferred
-        if self.eager and self.scaler is not None:
-            # fp16 must skip a whole step on overflow, which an update already made cannot
-            log.warning("swap.update=eager is not available with fp16 loss scaling: exact")
-            self.eager = False
-        if self.eager:
-            self.deferred = False
+    @property
+    def eager(self) -> bool:  # swap.update: eager, in effect
+        return self.timing == EAGER
+
+    @property
+    def deferred(self) -> bool:  # updates wait for the step's global norm
+        return self.timing == EXACT
+
+    @property
+    def skipped_units(self) -> int:  # eager: unit updates skipped for non-finite gradients
+        return self.eager_clip.skipped_units
 
     def set_schedule(self, order: str | None = None, update: str | None = None) -> None:
         """Change swap.order / swap.update between steps (benchmarks compare them on one
@@ -144,7 +133,7 @@ class SwapEngine:
             self._plans.clear()
         if update is not None:
             self.cfg.swap.update = update
-            self._set_update_mode(update)
+            self.timing = resolve_timing(update, self.cfg.train.grad_clip, self.scaler is not None)
             self._norm_sq = [0.0] * len(self.units)
 
     def _make_optimizers(self) -> list[TorchUnitOptimizer | CompactAdamW]:
@@ -196,36 +185,6 @@ class SwapEngine:
                 self._load(unit)
 
     # ------------------------------------------------------------------ hooks
-    def _hooks(self, unit: int, counter: list[int], counted: torch.Tensor | None = None):
-        """Save parameters by location; count activation bytes (once per storage, and not
-        the checkpointed unit input `counted`, which the ledger already holds)."""
-        slot_flat = self.slots.flat_of(unit)
-        slot_ptr = slot_flat.untyped_storage().data_ptr()
-        seen: set[int] = set()
-        if counted is not None:
-            seen.add(counted.untyped_storage().data_ptr())
-
-        def pack(t: torch.Tensor):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr == slot_ptr:  # a parameter (or a view of one): save where, not what
-                return _ParamRef(
-                    unit, t.size(), t.stride(), t.storage_offset() - slot_flat.storage_offset()
-                )
-            if ptr not in seen:
-                seen.add(ptr)
-                n = t.untyped_storage().nbytes()
-                counter[0] += n
-                self.ledger.add(n)
-            return t
-
-        def unpack(obj):
-            if isinstance(obj, _ParamRef):
-                flat = self.slots.acquire(obj.unit)
-                return flat.as_strided(obj.size, obj.stride, flat.storage_offset() + obj.offset)
-            return obj
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
     # ------------------------------------------------------------------ one step
     def train_step(
         self,
@@ -245,7 +204,7 @@ class SwapEngine:
         N = len(self.units)
         plan = self._plan(n_micro)
         scale = (self.scaler.scale if self.scaler else 1.0) / n_micro
-        if not self.eager:  # eager: the worker resets it when it closes a step
+        if self.timing != EAGER:  # eager: the worker resets it when it closes a step
             self._norm_sq = [0.0] * N
         st = _StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
@@ -319,23 +278,23 @@ class SwapEngine:
                     self.ledger.add(h.nbytes)
             with torch.no_grad():
                 return run_unit(self.units[u], flat, h, docs=docs)
-        counter = [0]
+        held = Held(self.ledger)
         h_in = h if u == 0 else h.detach().requires_grad_()
         leaves = param_leaves(self.units[u], flat)
-        with self._hooks(u, counter):
+        with params_saved_by_slot(self.slots, u, held.add):
             out = run_unit(self.units[u], leaves, h_in, docs=docs)
-        saved[u, m] = (h_in, out, leaves, counter)
+        saved[u, m] = (h_in, out, leaves, held)
         return out.detach()
 
     def _head_step(self, u, flat, h, y, scale, docs):
-        counter = [0]
+        held = Held(self.ledger)
         h_in = h.detach().requires_grad_()
         leaves = param_leaves(self.units[u], flat)
-        with self._hooks(u, counter):
+        with params_saved_by_slot(self.slots, u, held.add):
             loss = run_unit(self.units[u], leaves, h_in, y, docs)
         grad_h, *grads = torch.autograd.grad(loss * scale, [h_in, *leaves])
         self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
-        self.ledger.sub(counter[0])
+        held.release()
         return loss, grad_h, grads
 
     def _backward_unit(self, u: int, m: int, flat, grad_h, saved: dict, docs):
@@ -346,19 +305,19 @@ class SwapEngine:
             x = saved.pop((u, m))
             if offloaded:
                 x = self.backend.fetch(x)
-            counter = [0]
+            held = Held(self.ledger)
             h_in = x if u == 0 else x.detach().requires_grad_()
             leaves = param_leaves(unit, flat)
-            with self._hooks(u, counter, counted=None if offloaded else h_in):
+            with params_saved_by_slot(self.slots, u, held.add, None if offloaded else h_in):
                 out = run_unit(unit, leaves, h_in, docs=docs)
         else:
-            h_in, out, leaves, counter = saved.pop((u, m))
+            h_in, out, leaves, held = saved.pop((u, m))
         if u == 0:
             grad_in, grads = None, torch.autograd.grad(out, leaves, grad_h)
         else:
             grad_in, *grads = torch.autograd.grad(out, [h_in, *leaves], grad_h)
         self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
-        self.ledger.sub(counter[0])
+        held.release()
         if ckpt and u > 0 and not offloaded:
             self.ledger.sub(h_in.nbytes)
         return grad_in, grads
@@ -402,7 +361,7 @@ class SwapEngine:
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
             buf.ready.clear()  # the next copy of this unit must wait for its update
-            if not self.deferred:
+            if self.timing != EXACT:
                 self._updating = True  # the landing below updates the unit
                 if self.tier is not None:
                     self.tier.prefetch(u)  # its update follows the landing on the worker
@@ -430,18 +389,18 @@ class SwapEngine:
             self.store.fold_alias_grads(u)
             if inv_scale != 1.0:
                 buf.grad.mul_(inv_scale)
-            if self.deferred or self.eager:  # both need the step's global norm
+            if self.timing != IMMEDIATE:  # exact and eager need the step's global norm
                 self._norm_sq[u] = _sq_norm(buf.grad[: buf.spec.n_owned])
-            if self.eager:
+            if self.timing == EAGER:
                 if math.isfinite(self._norm_sq[u]):
-                    self._update(u, self._eager_coef, lr)
+                    self._update(u, self.eager_clip.coef, lr)
                 else:  # never apply a non-finite gradient; the rest of the step goes on
-                    self.skipped_units += 1
+                    self.eager_clip.skipped_units += 1
                     log.warning("non-finite gradient in unit %d: its update is skipped", u)
                     with self.store.paged_in(u, dirty=False):
                         pass  # the prefetched state goes back unchanged
                     buf.ready.set()
-            elif not self.deferred:
+            elif self.timing == IMMEDIATE:
                 self._update(u, 1.0, lr)
 
         # abort: if the worker failed, the staging buffers it held are coming back, and
@@ -475,12 +434,12 @@ class SwapEngine:
 
     def _finish_step(self, loss_sum: torch.Tensor, n_micro: int) -> StepResult:
         loss = float(loss_sum) / n_micro
-        if self.eager:
+        if self.timing == EAGER:
             # Runs on the worker after this step's gradients have all landed and before any
             # of the next step's (FIFO): the next step's updates clip by this step's norm.
             self.worker.submit(self._close_eager_step)
-            return StepResult(loss=loss, grad_norm=self._eager_norm)
-        if not self.deferred:
+            return StepResult(loss=loss, grad_norm=self.eager_clip.norm)
+        if self.timing == IMMEDIATE:
             return StepResult(loss=loss, grad_norm=None)
         t0 = time.perf_counter()
         self.worker.drain()
@@ -502,12 +461,8 @@ class SwapEngine:
         return StepResult(loss=loss, grad_norm=total)
 
     def _close_eager_step(self) -> None:
-        total = math.sqrt(sum(self._norm_sq))
+        self.eager_clip.close_step(self._norm_sq)
         self._norm_sq = [0.0] * len(self.units)
-        self._eager_norm = total
-        clip = self.cfg.train.grad_clip
-        if math.isfinite(total):
-            self._eager_coef = min(1.0, clip / (total + 1e-6))
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -579,16 +534,14 @@ class SwapEngine:
         carries between steps (the last norm and the clip coefficient it set: without
         them a resumed eager run clips its first step unlike the unbroken run)."""
         self.wait_idle()
-        clip = {"eager_norm": self._eager_norm, "eager_coef": self._eager_coef}
-        return {"loss_scale": self.scaler.scale if self.scaler else None, "clip": clip}
+        return {"loss_scale": self.scaler.scale if self.scaler else None,
+                "clip": self.eager_clip.state()}  # fmt: skip
 
     def load_run_state(self, state: dict) -> None:
         """Raises ValueError/TypeError for values that are not numbers (a damaged meta)."""
         clip, scale = state.get("clip") or {}, state.get("loss_scale")
         if clip:
-            norm = clip.get("eager_norm")
-            self._eager_norm = None if norm is None else float(norm)
-            self._eager_coef = float(clip.get("eager_coef", 1.0))
+            self.eager_clip.load(clip)
         if scale and self.scaler is not None:
             self.scaler.scale = float(scale)
 

@@ -10,6 +10,7 @@ check the bound held rather than trust it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,61 @@ class MemoryLedger:
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+class Held:
+    """Device bytes a unit's saved activations hold, in the ledger from when autograd saves
+    them until `release()` (after the unit's backward)."""
+
+    def __init__(self, ledger: MemoryLedger):
+        self.ledger, self.n = ledger, 0
+
+    def add(self, n: int) -> None:
+        self.n += n
+        self.ledger.add(n)
+
+    def release(self) -> None:
+        self.ledger.sub(self.n)
+        self.n = 0
+
+
+@dataclass
+class _ParamRef:
+    """What the pack hook saves instead of a parameter tensor: where it sits in its unit."""
+
+    unit: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def params_saved_by_slot(slots: DeviceSlots, unit: int, held: Callable[[int], None],
+                         counted: torch.Tensor | None = None):  # fmt: skip
+    """saved_tensors_hooks for a unit's forward: a parameter (a view of the unit's slot) is
+    saved as where it sits, and unpacked from the slot the backward acquires (never a
+    copy); every other storage autograd saves is reported to `held` once, by its bytes,
+    except `counted` (a checkpointed unit input the ledger already holds)."""
+    slot_flat = slots.flat_of(unit)
+    slot_ptr = slot_flat.untyped_storage().data_ptr()
+    seen: set[int] = set()
+    if counted is not None:
+        seen.add(counted.untyped_storage().data_ptr())
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr == slot_ptr:  # a parameter (or a view of one): save where, not what
+            return _ParamRef(
+                unit, t.size(), t.stride(), t.storage_offset() - slot_flat.storage_offset()
+            )
+        if ptr not in seen:
+            seen.add(ptr)
+            held(t.untyped_storage().nbytes())
+        return t
+
+    def unpack(obj):
+        if isinstance(obj, _ParamRef):
+            flat = slots.acquire(obj.unit)
+            return flat.as_strided(obj.size, obj.stride, flat.storage_offset() + obj.offset)
+        return obj
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
