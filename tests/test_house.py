@@ -129,3 +129,14 @@ def test_a_non_editable_install_runs_from_anywhere(tmp_path):
                              capture_output=True, text=True, timeout=600)  # fmt: skip
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.startswith(str(site)), run.stdout[:200]  # the installed copy ran
+
+
+def test_no_module_is_over_600_lines():
+    """A module the next engineer can read in one sitting (the house rule; engine.py was 645)."""
+    long = []
+    for top in ("atom", "profiler", "tools"):
+        for path in (ROOT / top).rglob("*.py"):
+            n = len(path.read_text().splitlines())
+            if n > 600:
+                long.append(f"{path.relative_to(ROOT)} ({n})")
+    assert long == []
