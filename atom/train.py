@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +183,27 @@ class Trainer:
         self.data_dir = data_dir
         ckpt = self._open_resume(resume) if resume is not None else None
         torch.manual_seed(cfg.train.seed)
-        self.engine = build_engine(cfg, resident)
+        # what the run holds (engine, peers, loggers), released by close() in reverse: one
+        # shutdown path, whether setup fails, the run ends, or it is interrupted
+        self._resources = ExitStack()
+        self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
+        self._rollbacks = 0
+        self._saved_step: int | None = None  # the step the newest save of this run holds
+        self.gossip = None
+        self.run_log: RunLog | None = None
+        self.loggers: list = []
+        try:
+            self._set_up(ckpt)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, ckpt) -> None:
+        """The engine and its weights (resumed, or a Hugging Face checkpoint's), the peers,
+        the run directory and the loggers; each registered for close() as it exists."""
+        cfg = self.cfg
+        self.engine = build_engine(cfg, self.resident)
+        self._resources.callback(self.engine.close)
         self.start_step = 0
         self._saved_at = time.monotonic()  # the state a rollback returns to (_restore too)
         if ckpt is not None:
@@ -191,19 +212,15 @@ class Trainer:
             from atom.hf import load_weights  # fine-tuning: weights from a Hugging Face dir
 
             load_weights(self.engine, cfg, tokenizer=self.data.meta.tokenizer)
-        self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
-        self._rollbacks = 0
-        self.gossip = None
         if cfg.gossip.enabled:  # peers: listen, join, copy the group's weights and step
             from atom.gossip.peer import attach_gossip
 
             self.gossip = attach_gossip(cfg, self.engine.shared_units(), self.out, self.start_step)
+            self._resources.callback(self._stop_gossip)  # goodbye before the engine goes
             if ckpt is not None and not self.gossip.joined_from:  # its own state, not pulled
                 self._restore_gossip(ckpt)
             self.start_step = self.gossip.step
             if self.start_step >= cfg.train.max_steps:  # a group at (or claiming) step 2^62
-                self._stop_gossip()
-                self.engine.close()
                 raise ConfigError(
                     f"the group is at step {self.start_step}, at or past this run's "
                     f"train.max_steps ({cfg.train.max_steps}): nothing to train; raise "
@@ -216,6 +233,19 @@ class Trainer:
         from atom.loggers import make_loggers
 
         self.loggers = make_loggers(cfg.train.logger, self.out, self.start_step, cfg.to_dict())
+        self._resources.callback(self._close_log)
+
+    def close(self) -> None:
+        """Release what the run holds, in reverse: the metrics file and loggers, the peers
+        (goodbye), the engine. Idempotent."""
+        self._resources.close()
+
+    def _close_log(self) -> None:
+        if self.run_log is not None:
+            self.run_log.close()  # the metrics file and every logger
+        else:
+            for logger in self.loggers:
+                logger.close()
 
     # ------------------------------------------------------------ checkpoints
     def _open_resume(self, path: Path):
@@ -350,7 +380,6 @@ class Trainer:
         self.run_log = RunLog(self.out, self.start_step, end, self.progress, self.loggers,
                               tc.log_interval)  # fmt: skip
         rates: list[float] = []
-        self._saved_step = None
         with Interrupts() as interrupts:
             try:
                 self._loop(summary, end, interrupts, rates)
@@ -366,13 +395,10 @@ class Trainer:
                             self.interrupt_checkpoint = self.save(summary.steps)
                         summary.checkpoint = self.interrupt_checkpoint
                 finally:  # however it ends (another Ctrl+C too): the disk tier is removed
-                    self._close()
+                    self.close()
                 raise
             except BaseException:
-                try:
-                    self._stop_gossip()
-                finally:
-                    self._close()
+                self.close()
                 raise
             self.run_log.close_bar()
             self._stop_gossip()
@@ -385,62 +411,54 @@ class Trainer:
         times = sorted(r["step_time_s"] for r in summary.history[1:] or summary.history)
         summary.step_time_s = times[len(times) // 2] if times else None
         summary.device_peak_bytes = self.engine.device_peak_bytes()
-        self._close()
+        self.close()
         return summary
 
-    def _close(self) -> None:
-        try:
-            if getattr(self, "run_log", None) is not None:
-                self.run_log.close()  # the metrics file and every logger
-            else:
-                for logger in self.loggers:
-                    logger.close()
-        finally:
-            self.engine.close()
-
     def _loop(self, summary: RunSummary, end: int, interrupts: Interrupts, rates) -> None:
-        """Steps start_step..end: a step, its record, evaluation and checkpoints on their
-        cadence; the record is told by the run log (file, loggers, terminal)."""
+        """Steps start_step..end, one `train_step` each; a loss that stopped being finite or
+        a save that found bad weights (TrainingError) rolls back to the newest checkpoint."""
+        losses = LossWatch()
+        step = self.start_step
+        self._t_prev = time.perf_counter()
+        while step < end:
+            interrupts.at_step_boundary()
+            try:
+                step = self.train_step(step, end, summary, interrupts, losses, rates)
+            except TrainingError as err:
+                step, losses = self._roll_back(err, summary, interrupts), LossWatch()
+                self._t_prev = time.perf_counter()
+
+    def train_step(self, step: int, end: int, summary: RunSummary, interrupts: Interrupts,
+                   losses: LossWatch, rates: list[float]) -> int:  # fmt: skip
+        """Step `step` + 1: the engine's step, its record (told by the run log: file,
+        loggers, terminal), the peers' turn, evaluation and a checkpoint on their cadence.
+        Returns the step done."""
         from atom.optim import lr_at
 
         tc = self.cfg.train
-        tokens_per_step = tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
-        t_prev = time.perf_counter()
-        losses = LossWatch()
-        step = self.start_step
-        while step < end:
-            interrupts.at_step_boundary()
-            batches = [self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)]
-            lr = lr_at(step, tc)
-            result = self.engine.train_step(batches, lr, stop=interrupts.abandon_step)
-            now = time.perf_counter()
-            dt, t_prev = now - t_prev, now
-            rates.append(tokens_per_step / dt)
-            try:
-                losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
-            except TrainingError as err:
-                step, losses = self._roll_back(err, summary, interrupts), LossWatch()
-                t_prev = time.perf_counter()
-                continue
-            record = self._record(step + 1, result, lr, rates[-1], dt)
-            if self.gossip is not None:
-                self.gossip.after_step(step + 1)
-                record["gossip"] = self.gossip.record()
-            done = step + 1
-            if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
-                record["val_loss"] = summary.val_loss = self.evaluate()
-                t_prev = time.perf_counter()  # eval time is not step time
-            self.run_log.step(record, self.gossip.postfix() if self.gossip is not None else {})
-            summary.history.append(record)
-            summary.steps, summary.last_loss = done, result.loss
-            step = done
-            if tc.ckpt_interval and done % tc.ckpt_interval == 0:
-                try:
-                    with interrupts.saving():
-                        summary.checkpoint, self._saved_step = self.save(done), done
-                except TrainingError as err:  # weights gone bad: not saved
-                    step, losses = self._roll_back(err, summary, interrupts), LossWatch()
-                t_prev = time.perf_counter()
+        batches = [self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)]
+        lr = lr_at(step, tc)
+        result = self.engine.train_step(batches, lr, stop=interrupts.abandon_step)
+        now = time.perf_counter()
+        dt, self._t_prev = now - self._t_prev, now
+        rates.append(tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len / dt)
+        losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
+        done = step + 1
+        record = self._record(done, result, lr, rates[-1], dt)
+        if self.gossip is not None:
+            self.gossip.after_step(done)
+            record["gossip"] = self.gossip.record()
+        if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
+            record["val_loss"] = summary.val_loss = self.evaluate()
+            self._t_prev = time.perf_counter()  # eval time is not step time
+        self.run_log.step(record, self.gossip.postfix() if self.gossip is not None else {})
+        summary.history.append(record)
+        summary.steps, summary.last_loss = done, result.loss
+        if tc.ckpt_interval and done % tc.ckpt_interval == 0:
+            with interrupts.saving():
+                summary.checkpoint, self._saved_step = self.save(done), done  # may roll back
+            self._t_prev = time.perf_counter()
+        return done
 
     def _roll_back(self, err: TrainingError, summary: RunSummary, interrupts: Interrupts) -> int:
         """The loss stopped being finite, or a save found bad weights: reload the newest

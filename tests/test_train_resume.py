@@ -276,3 +276,27 @@ def test_a_resumed_optimizer_step_count_sits_where_its_kernel_reads_it():
     want = next(iter(theirs.state.values()))["step"]
     assert state["step"].device == want.device == p.device
     assert state["step"].dtype == want.dtype == torch.float32
+
+
+def test_a_setup_that_fails_releases_what_it_built(tmp_path, text_dataset, monkeypatch):
+    """Joining peers failed after the engine was built: the engine (its pinned memory, its
+    threads) was left for the garbage collector; every resource is now released on one
+    path, whatever fails."""
+    import atom.train as train
+    from atom.gossip.averager import GossipError
+
+    closed, real = [], train.build_engine
+
+    def build(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        close = engine.close
+        engine.close = lambda: (closed.append(1), close())
+        return engine
+
+    monkeypatch.setattr(train, "build_engine", build)
+    cfg = tiny_config(train={"data": str(text_dataset)},
+                      gossip={"listen": "tcp://127.0.0.1:0", "join": "tcp://127.0.0.1:9",
+                              "join_timeout_s": 1.0})  # fmt: skip
+    with pytest.raises(GossipError, match="no group member answered"):
+        Trainer(cfg, tmp_path / "run")
+    assert closed == [1]
