@@ -20,7 +20,6 @@ host-to-device copy of that unit.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from atom.config import ConfigError
-from atom.gossip.membership import PeerState, PeerTable, ewma
+from atom.gossip.membership import PeerContext, PeerState, PeerTable, ewma
 from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
 from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import Codec, check_finite, decode_checked, get_codec, roundtrip
@@ -51,21 +50,20 @@ class GossipError(ConfigError):
 class Averager:
     def __init__(
         self,
+        ctx: PeerContext,
+        *,
         params: UnitParams,
         table: PeerTable,
         selector: Selector,
         merge: GossipMerge | DiLoCoMerge,
         codec: Codec,
-        make_client: Callable[[], Client],
+        make_client: Callable[[], Client],  # one per thread (zmq sockets are not shared)
         counters: Counters,
-        header: Callable[[str, int, str], dict[str, Any]],
-        weight: Callable[[], float],
+        weight: Callable[[], float],  # this peer's averaging weight (samples trained on)
+        on_reject: Callable[[Rejected, str], None],
         interval_s: float,
         timeout_s: float,
         lanes: int,
-        on_reject: Callable[[Rejected, str], None],
-        plog: logging.LoggerAdapter,
-        stop: threading.Event,
         guard: DiffGuard | None = None,
         refs: PairRefs | None = None,
     ):
@@ -73,9 +71,9 @@ class Averager:
         # unit -> (outer weights, momentum, last outer step) pulled while joining (DiLoCo)
         self.pulled_outer: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.codec, self.make_client, self.counters = codec, make_client, counters
-        self.header, self.weight = header, weight
+        self.header, self.weight = ctx.header, weight
         self.interval_s, self.timeout_s, self.lanes = interval_s, timeout_s, lanes
-        self.on_reject, self.log, self.stop = on_reject, plog, stop
+        self.on_reject, self.log, self.stop = on_reject, ctx.log, ctx.stop
         self.ready = threading.Event()  # set once we hold the group's parameters
         self.work_s: float | None = None  # our seconds of work per exchange (EWMA)
         self._busy: set[int] = set()  # units in an exchange (either direction)

@@ -352,26 +352,34 @@ class PeerTable:
             ]
 
 
+@dataclass(frozen=True)
+class PeerContext:
+    """What a peer's parts (membership, averager) share of the peer itself."""
+
+    header: Callable[[str, int, str], dict[str, Any]]  # (kind, rid, to) -> a message header
+    log: logging.LoggerAdapter  # lines prefixed with the peer's id
+    stop: threading.Event  # set when the peer closes: every loop ends within its poll
+
+
 class Membership:
     """The heartbeat thread: ping everyone known (and the seeds), probe new links, sweep."""
 
     def __init__(
         self,
+        ctx: PeerContext,
+        *,
         table: PeerTable,
         client: Client,
-        header: Callable[[str, int, str], dict[str, Any]],
         seeds: list[str],
         heartbeat_s: float,
         probe_bytes: int,
-        plog: logging.LoggerAdapter,
-        stop: threading.Event,
         on_tick: Callable[[], None],
     ):
-        self.table, self.client, self.header = table, client, header
+        self.table, self.client, self.header = table, client, ctx.header
         self.seeds = list(seeds)
         self.heartbeat_s = heartbeat_s
         self.probe_bytes = probe_bytes
-        self.log, self.stop, self.on_tick = plog, stop, on_tick
+        self.log, self.stop, self.on_tick = ctx.log, ctx.stop, on_tick
         self.proven = False  # a keyed group: every sender is bound to its key
         self._thread: threading.Thread | None = None
 

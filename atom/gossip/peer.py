@@ -30,7 +30,7 @@ from atom.config import Config, ConfigError
 from atom.config.gossip import GossipConfig, endpoint_host, is_loopback, parse_rates
 from atom.engine import SharedUnit
 from atom.gossip.averager import Averager, GossipError
-from atom.gossip.membership import Membership, PeerState, PeerTable, handle_control
+from atom.gossip.membership import Membership, PeerContext, PeerState, PeerTable, handle_control
 from atom.gossip.merge import UnitParams, make_merge
 from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import get_codec
@@ -138,36 +138,32 @@ class GossipPeer:
             trust=guard.trust,
         )  # fmt: skip
         self._heartbeat_client = self._client(self.stop)
+        ctx = PeerContext(header=self._header, log=self.log, stop=self.stop)
         self.averager = Averager(
-            params,
-            self.table,
-            self.selector,
-            self.merge,
-            get_codec(gcfg.codec, gcfg.topk_fraction),
-            lambda: self._client(self.stop),
-            self.counters,
-            self._header,
-            self.weight,
-            gcfg.interval_s,
-            gcfg.timeout_s,
-            gcfg.lanes,
-            self._on_reject,
-            self.log,
-            self.stop,
-            guard,
-            PairRefs(gcfg.topk_partners),
+            ctx,
+            params=params,
+            table=self.table,
+            selector=self.selector,
+            merge=self.merge,
+            codec=get_codec(gcfg.codec, gcfg.topk_fraction),
+            make_client=lambda: self._client(self.stop),
+            counters=self.counters,
+            weight=self.weight,
+            on_reject=self._on_reject,
+            interval_s=gcfg.interval_s,
+            timeout_s=gcfg.timeout_s,
+            lanes=gcfg.lanes,
+            guard=guard,
+            refs=PairRefs(gcfg.topk_partners),
         )
-        probe = min(gcfg.probe_kb * 1024, self.max_bytes // 2)
         self.membership = Membership(
-            self.table,
-            self._heartbeat_client,
-            self._header,
-            gcfg.seeds,
-            gcfg.heartbeat_s,
-            probe,
-            self.log,
-            self.stop,
-            self.write_status,
+            ctx,
+            table=self.table,
+            client=self._heartbeat_client,
+            seeds=gcfg.seeds,
+            heartbeat_s=gcfg.heartbeat_s,
+            probe_bytes=min(gcfg.probe_kb * 1024, self.max_bytes // 2),
+            on_tick=self.write_status,
         )
         self.membership.proven = self.keys is not None
         self.server: Server | None = None
