@@ -119,14 +119,8 @@ def build_engine(cfg: Config, resident: bool = False) -> Engine:
     from atom.swap.backend import CpuBackend, CudaBackend
     from atom.swap.engine import SwapEngine
 
-    if device.type == "cuda":
-        from atom.model import build_model
-        from atom.swap.units import partition
-
-        units = partition(build_model(cfg.model), cfg.swap.layers_per_unit)
-        backend = CudaBackend(device, max(u.n_total for u in units), dtype)
-    else:
-        backend = CpuBackend()
+    # the swap engine sizes the backend's staging pool from its own units
+    backend = CudaBackend(device, staging_dtype=dtype) if device.type == "cuda" else CpuBackend()
     # weights from a Hugging Face checkpoint (or a resumed one) replace any random init
     return SwapEngine(cfg, backend, dtype, init=not cfg.model.init_from)
 

@@ -100,6 +100,10 @@ class Backend:
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def size_staging(self, numel: int) -> None:
+        """The largest gradient (elements) that will come back at once: the engine says it
+        before it asks for host memory (a backend without a staging pool ignores it)."""
+
     def alloc_host_many(self, requests: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
         """Every host buffer that crosses the bus, asked for at once (one arena on CUDA)."""
         return [self.alloc_host(n, dt) for n, dt in requests]
@@ -249,7 +253,7 @@ class CudaBackend(Backend):
     def __init__(
         self,
         device: torch.device,
-        staging_numel: int,
+        staging_numel: int = 0,  # or, before host memory is asked for, size_staging()
         staging_dtype: torch.dtype = torch.float32,
         staging_buffers: int = 3,
     ):
@@ -264,10 +268,9 @@ class CudaBackend(Backend):
         # Why a fixed pool: unbounded staging would let D2H run ahead of the host optimizer
         # and grow pinned memory without limit. Raw bytes: gradients come back in the
         # compute dtype, or fp32 when several micro-batches were summed on the device.
-        self._staging_request = [
-            (staging_numel * max(4, torch.empty(0, dtype=staging_dtype).element_size()),
-             torch.uint8)
-        ] * staging_buffers  # fmt: skip
+        self._staging_item = max(4, torch.empty(0, dtype=staging_dtype).element_size())
+        self._staging_buffers, self._staging_numel = staging_buffers, 0
+        self.size_staging(staging_numel)
         self._staging: queue.Queue | None = None
         self._arenas: list = []
         self.pinned_bytes = 0
@@ -276,6 +279,11 @@ class CudaBackend(Backend):
         # tools/gpu_check: time each H2D copy with CUDA events (start, end, bytes)
         self.time_copies = False
         self._timed: list[tuple[object, object, int]] = []
+
+    def size_staging(self, numel: int) -> None:
+        self._staging_numel = max(self._staging_numel, numel)  # a caller's larger size stays
+        nbytes = self._staging_numel * self._staging_item
+        self._staging_request = [(nbytes, torch.uint8)] * self._staging_buffers
 
     def alloc_device(self, numel, dtype):
         return torch.empty(numel, dtype=dtype, device=self.device)

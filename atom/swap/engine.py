@@ -78,6 +78,7 @@ class SwapEngine:
         self.dtype = compute_dtype
         self.model = build_model(cfg.model, device="meta")
         self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
+        backend.size_staging(max(u.n_total for u in self.units))  # before any host memory
         paged = cfg.swap.disk_dir is not None
         self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state, paged)
         self.optimizers = self._make_optimizers()
