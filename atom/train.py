@@ -510,14 +510,6 @@ LONG_STEP_WARN_S = 60.0
 def _matmul_flops(device, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of a 1024^2 matmul in the compute dtype on `device` (a few ms): about what
     the model's matmuls reach, a little under (small shape), so an estimate errs long."""
-    a = torch.randn(1024, 1024, device=device).to(dtype)
-    best = float("inf")
-    for _ in range(3):
-        if a.is_cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ a
-        if a.is_cuda:
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 1024**3 / max(best, 1e-9)
+    from profiler.timing import matmul_rate
+
+    return matmul_rate(device, dtype, n=1024)

@@ -10,16 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from atom.cli import main
 from atom.run_dir import continue_from, run_of
+from tests.test_cli import run_cli
 
 STEPS = 4
-
-
-def run_cli(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _sets(text_dataset) -> list[str]:
