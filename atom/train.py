@@ -12,9 +12,11 @@ import errno
 import json
 import logging
 import time
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 MAX_ROLLBACKS = 2  # to the newest checkpoint, when the loss or the weights go bad
 SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
+T = TypeVar("T")
 
 
 def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
@@ -220,14 +223,18 @@ class Trainer:
                     f"train.max_steps ({cfg.train.max_steps}): nothing to train; raise "
                     "--max-steps, or join another group"
                 )
-        self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
+        self._needing_files("opening the run directory", self._open_run_dir)
+        self._resources.callback(self._close_log)
+
+    def _open_run_dir(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
         continue_from(self.out, self.start_step)  # later records and checkpoints: not this run's
-        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         from atom.loggers import make_loggers
 
-        self.loggers = make_loggers(cfg.train.logger, self.out, self.start_step, cfg.to_dict())
-        self._resources.callback(self._close_log)
+        self.loggers = make_loggers(self.cfg.train.logger, self.out, self.start_step,
+                                    self.cfg.to_dict())  # fmt: skip
 
     def close(self) -> None:
         """Release what the run holds, in reverse: the metrics file and loggers, the peers
@@ -291,18 +298,37 @@ class Trainer:
         return found[-1] if found else None
 
     def save(self, step: int) -> Path:
-        """Write a checkpoint; a save that ran out of open files (a flood of gossip
-        connections, which the gossip server sheds within seconds) is tried again."""
-        for attempt in range(1, SAVE_ATTEMPTS):
-            try:
-                return self._save(step)
-            except (OSError, CheckpointError) as err:
-                if getattr(err, "errno", None) not in OUT_OF_FILES:
-                    raise
-                log.warning("step %d: out of open files while saving; trying again in %.0fs "
-                            "(%d of %d)", step, SAVE_RETRY_S, attempt, SAVE_ATTEMPTS)  # fmt: skip
+        """Write a checkpoint (tried again if it ran out of open files: _needing_files)."""
+        return self._needing_files(f"step {step}: saving", lambda: self._save(step),
+                                   SAVE_ATTEMPTS)  # fmt: skip
+
+    def _needing_files(self, what: str, write: Callable[[], T], attempts: int = 2) -> T:
+        """write(); if it ran out of open files, again (attempts in all, SAVE_RETRY_S
+        apart) with the gossip listener closed meanwhile. Every gossip connection holds a
+        file descriptor, and a flooder reconnects as fast as the server sheds them: a
+        save, or opening the run's files, must not lose that race (a run ended at a save)."""
+        try:
+            return write()
+        except (OSError, CheckpointError) as err:
+            if getattr(err, "errno", None) not in OUT_OF_FILES:
+                raise
+        log.warning(
+            "%s: out of open files; trying again%s",
+            what,
+            " with the gossip listener closed" if self.gossip is not None else "",
+        )
+        freed = self.gossip.listener_closed() if self.gossip is not None else nullcontext()
+        with freed:
+            for attempt in range(2, attempts):
+                try:
+                    return write()
+                except (OSError, CheckpointError) as err:
+                    if getattr(err, "errno", None) not in OUT_OF_FILES:
+                        raise
+                log.warning("%s: still out of open files; trying again in %.0fs (%d of %d)",
+                            what, SAVE_RETRY_S, attempt, attempts)  # fmt: skip
                 time.sleep(SAVE_RETRY_S)
-        return self._save(step)  # the last attempt: its failure is the run's
+            return write()  # the last attempt: its failure is the run's
 
     def _save(self, step: int) -> Path:
         # never over a good checkpoint with diverged or poisoned weights
@@ -371,8 +397,12 @@ class Trainer:
             )
         end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)
         summary = RunSummary(steps=self.start_step)
-        self.run_log = RunLog(self.out, self.start_step, end, self.progress, self.loggers,
-                              tc.log_interval)  # fmt: skip
+        self.run_log = self._needing_files(
+            "opening metrics.jsonl",
+            lambda: RunLog(
+                self.out, self.start_step, end, self.progress, self.loggers, tc.log_interval
+            ),
+        )
         rates: list[float] = []
         with Interrupts() as interrupts:
             try:

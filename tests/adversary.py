@@ -139,6 +139,60 @@ class Adversary:
 LISTEN = ("--listen", "tcp://127.0.0.1:0")
 
 
+class ConnectionFlood:
+    """`n` TCP connections to host:port held open, each one that the server drops opened
+    again at once (what a flooder does after every listener recycle), until stop().
+
+        with ConnectionFlood(host, port, 400):
+            ...  # the target runs under the flood
+    """
+
+    def __init__(self, host: str, port: int, n: int, every_s: float = 0.01):
+        import threading
+
+        self.addr, self.n, self.every_s = (host, port), n, every_s
+        self.opened = 0  # connections made, reconnections included
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood", daemon=True)
+
+    def __enter__(self) -> ConnectionFlood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        import select
+
+        socks: list[socket.socket] = []
+        try:
+            while not self._stop.is_set():
+                while len(socks) < self.n and not self._stop.is_set():
+                    try:
+                        socks.append(socket.create_connection(self.addr, timeout=0.5))
+                        self.opened += 1
+                    except OSError:
+                        break  # being recycled (or gone): try again in a moment
+                # a dropped connection reads as ready with nothing (or an error) to read
+                ready, _, _ = select.select(socks, [], [], 0) if socks else ([], [], [])
+                for sk in ready:
+                    try:
+                        gone = sk.recv(4096, socket.MSG_DONTWAIT) == b""
+                    except BlockingIOError:
+                        gone = False
+                    except OSError:
+                        gone = True
+                    if gone:
+                        sk.close()
+                        socks.remove(sk)
+                self._stop.wait(self.every_s)
+        finally:
+            for sk in socks:
+                sk.close()
+
+
 def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = ()) -> dict:
     """Three honest peers (and, with `poison`, one poisoner) on loopback; their results.
     `honest`: more `atom train` arguments for the honest peers (e.g. their guards off)."""

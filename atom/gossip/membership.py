@@ -14,11 +14,14 @@ message may refresh the entry it matches (id, endpoint, incarnation), but a peer
 endpoint or incarnation changes only on proof, a reply to our own request from that
 endpoint naming that id, and a live peer does not move to another endpoint until its old
 one stops answering (a forged ping once moved a peer to a dead address). A claim that is
-not proven yet is remembered and pinged. A goodbye marks the peer "leaving" (no longer a
-partner) until a ping settles it: a leaving peer answers `nack leaving` (or not at all),
-an impostor's victim answers `pong` and stays. In keyed groups the server has already
-tied `from` to the connection's key (transport.py), so what a member says of itself is
-taken as proven.
+not proven yet is remembered and pinged. An unproven goodbye marks the peer "leaving" (no
+longer a partner) until a ping settles it: a leaving peer answers `nack leaving` (or not
+at all), an impostor's victim answers `pong` and stays. A peer that has proven itself
+alive (answered our own ping lately) loses nothing to an unproven goodbye: it stays a
+partner while the next ping decides (forged goodbyes sent every second once kept a live
+peer "leaving" most of the time: 1-2 exchanges with it in 10 s instead of 11-39). In
+keyed groups the server has already tied `from` to the connection's key (transport.py),
+so what a member says of itself is taken as proven.
 
 Link measurements (EWMA): round-trip time from pings, bandwidth from a probe at first
 contact and then from every real exchange. They are shared in heartbeats, so each side
@@ -40,6 +43,7 @@ from atom.gossip.net.wire import MAX_LISTED
 
 EWMA = 0.3  # weight of a new link measurement
 FORGET_AFTER_S = 600.0  # drop dead peers from the table (seeds are still retried)
+EARLY_ROUND_S = 0.1  # ping rounds asked for early (check_soon) come no closer than this
 
 
 def ewma(old: float | None, new: float, alpha: float = EWMA) -> float:
@@ -70,6 +74,7 @@ class PeerState:
     drift: float | None = None  # relative disagreement per second of not mixing (EWMA)
     probed: bool = False
     next_ping: float = 0.0  # dead peers are pinged again from this time
+    doubted: bool = False  # an unproven goodbye came in its name: the next ping decides
 
 
 class PeerTable:
@@ -122,8 +127,10 @@ class PeerTable:
                 # new, or restarted: its old measurements describe another process
                 p = self.peers[pid] = PeerState(pid, h["ep"], h["inc"])
                 self.tombstones.pop(pid, None)
-            elif p.status == "leaving":
+            elif proven and (p.status == "leaving" or p.doubted):
                 self.forged += 1  # it answered from its endpoint: the goodbye was not its own
+            if proven:
+                p.doubted = False
             self.claims.pop(pid, None)
             p.endpoint, p.status, p.last_heard = h["ep"], "alive", now
             if proven:
@@ -167,22 +174,28 @@ class PeerTable:
         del self.peers[victim.id]
         return True
 
-    def left(self, pid: str, inc: int, proven: bool = True) -> None:
+    def left(self, pid: str, inc: int, proven: bool = True) -> bool:
         """A goodbye. Unproven (open groups), the peer is only "leaving" until a ping to
-        its endpoint confirms it (nack leaving, or silence) or refutes it (pong)."""
+        its endpoint confirms it (nack leaving, or silence) or refutes it (pong); one
+        proven alive lately is only doubted (True: ping it soon), and stays a partner."""
         with self.lock:
             p = self.peers.get(pid)
             if not proven:  # never further than "leaving": sweep or the peer itself decides
-                if p is not None and p.incarnation == inc and p.status == "alive":
-                    p.status, p.ready = "leaving", False
-                    p.next_ping = 0.0
-                return
+                if p is None or p.incarnation != inc or p.status != "alive":
+                    return False
+                now = time.monotonic()
+                if p.answered is not None and now - p.answered <= self.dead_after:
+                    p.doubted = True  # proven alive: stays a partner until a ping says
+                    return True
+                p.status, p.ready = "leaving", False
+                return True
             if p is not None and p.incarnation == inc:
                 p.status, p.ready = "left", False
             if p is None or p.incarnation == inc:
                 self.tombstones[pid] = inc
                 while len(self.tombstones) > 4 * self.max_peers:
                     del self.tombstones[next(iter(self.tombstones))]
+            return False
 
     def rtt_sample(self, pid: str, seconds: float) -> None:
         with self.lock:
@@ -253,10 +266,10 @@ class PeerTable:
                 if now - when > self.dead_after:  # never proven: forget it
                     del self.claims[pid]
             for pid, p in list(self.peers.items()):
-                if p.status == "leaving" and (
+                if (p.status == "leaving" or (p.status == "alive" and p.doubted)) and (
                     p.last_heard is None or now - p.last_heard > self.dead_after
                 ):  # it said goodbye and stopped answering: it did leave
-                    p.status = "left"
+                    p.status, p.ready = "left", False
                     self.tombstones[pid] = p.incarnation
                 if p.status == "alive" and (
                     p.last_heard is None or now - p.last_heard > self.dead_after
@@ -382,6 +395,7 @@ class Membership:
         self.log, self.stop, self.on_tick = ctx.log, ctx.stop, on_tick
         self.proven = False  # a keyed group: every sender is bound to its key
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # check_soon
 
     def ping_header(self, kind: str = "ping", to: str = "") -> dict[str, Any]:
         h = self.header(kind, self.client.next_rid(), to)
@@ -449,40 +463,54 @@ class Membership:
     def run(self) -> None:
         while not self.stop.is_set():
             started = time.monotonic()
+            self._wake.clear()
             try:
                 self.tick()
                 self.on_tick()
             except Exception:
                 self.log.exception("heartbeat failed")
-            self.stop.wait(max(0.05, self.heartbeat_s - (time.monotonic() - started)))
+            self._wake.wait(max(0.05, self.heartbeat_s - (time.monotonic() - started)))
+            # woken early (check_soon): not sooner than EARLY_ROUND_S after the last round
+            self.stop.wait(max(0.0, EARLY_ROUND_S - (time.monotonic() - started)))
+
+    def check_soon(self) -> None:
+        """Ping round now (within EARLY_ROUND_S), not at the next heartbeat: an unproven
+        goodbye is settled by the peer's own answer, and that should not take a second."""
+        self._wake.set()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="atom-gossip-heartbeat", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float = 5.0) -> None:
+        self._wake.set()  # out of its wait: `stop` is set
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def goodbye(self, client: Client, timeout: float = 1.0) -> int:
-        """Tell every alive peer we are leaving; returns how many acknowledged."""
+    def goodbye(self, client: Client, timeout: float = 1.0) -> set[str]:
+        """Tell every alive peer we are leaving; returns the ids that acknowledged."""
+        alive = self.table.alive()
         items = [
             (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid(), p.id), [])
-            for p in self.table.alive()
+            for p in alive
         ]
         if not items:
-            return 0
+            return set()
         replies = client.request_many(items, timeout)
-        return sum(1 for r in replies.values() if r is not None)
+        return {p.id for p in alive if replies.get(p.endpoint) is not None}
 
 
-def handle_control(table: PeerTable, incoming: Incoming, proven: bool) -> str | None:
+def handle_control(
+    table: PeerTable, incoming: Incoming, proven: bool, on_doubt: Callable[[], None]
+) -> str | None:
     """Server side of ping / probe / bye: update the table; the reply kind to send.
-    `proven`: the sender's name is bound to its connection (a keyed group)."""
+    `proven`: the sender's name is bound to its connection (a keyed group). `on_doubt`:
+    called for an unproven goodbye of a peer proven alive (check it now)."""
     h = incoming.header
     kind = h["kind"]
     if kind == "bye":
-        table.left(h["from"], h["inc"], proven)
+        if table.left(h["from"], h["inc"], proven):
+            on_doubt()
         return "ack"
     table.heard(h, proven)
     return {"ping": "pong", "probe": "ack"}.get(kind)

@@ -13,7 +13,7 @@ says goodbye (so no exchange is half done), then closes every socket with LINGER
 from __future__ import annotations
 
 import atexit
-import itertools
+import contextlib
 import logging
 import re
 import secrets
@@ -37,6 +37,7 @@ from atom.gossip.net.codecs import get_codec
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.handshake import SeedWatch
 from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
+from atom.gossip.net.replay import RequestIds
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Incoming, Reply, Server
 from atom.gossip.net.wire import PROTOCOL, Expect, Rejected
@@ -47,6 +48,9 @@ from atom.gossip.status import PeerLog, write_status
 
 log = logging.getLogger(__name__)
 SUMMARY_EVERY_S = 60.0  # a one-line view of the group in the log (atom peers has the table)
+# after a goodbye in an open group, how long to stay answering `nack leaving` to the pings
+# that check it (a goodbye nobody can prove only makes a peer that answered lately doubted)
+LINGER_S = 1.0
 
 
 def default_name() -> str:
@@ -123,8 +127,9 @@ class GossipPeer:
         self.base_samples = start_step * samples_per_step
         self.joined_from = ""
         self.counters = Counters()
-        self.rids = itertools.count(secrets.randbits(40))  # every client's: replays refused
+        self.rids = RequestIds()  # every client's: unguessable, replays refused
         self.leaving = False  # saying goodbye: pings are answered `nack leaving`
+        self._checked_leaving: set[str] = set()  # who pinged us since (and was told so)
         self.stop = threading.Event()  # background loops and their network waits
         self.ctx = zmq.Context()
         self.auth = None
@@ -214,10 +219,12 @@ class GossipPeer:
 
     def _inline(self, incoming: Incoming) -> Reply | None:
         if self.leaving and incoming.header["kind"] == "ping":  # so a goodbye is believed
+            self._checked_leaving.add(incoming.header["from"])
             h = self._reply_header(incoming, "nack")
             h["reason"] = "leaving"
             return h, []
-        kind = handle_control(self.table, incoming, proven=self.keys is not None)
+        kind = handle_control(self.table, incoming, self.keys is not None,
+                              self.membership.check_soon)  # fmt: skip
         if kind is None:
             return None
         h = self._reply_header(incoming, kind)
@@ -365,6 +372,13 @@ class GossipPeer:
         ready = [p for p in self.table.alive() if p.ready]
         return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
 
+    def listener_closed(self) -> contextlib.AbstractContextManager:
+        """No gossip connections (nor their file descriptors) while the block runs: for a
+        checkpoint save that ran out of open files (transport.Server.listener_closed)."""
+        if self.server is None or self.closed:  # nothing listens (closed: goodbye said)
+            return contextlib.nullcontext()
+        return self.server.listener_closed()
+
     def checkpoint(self) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any]]:
         """Gossip's own state for a checkpoint, read once: its files (DiLoCo's outer
         weights and momentum; none for plain averaging) and its meta."""
@@ -410,7 +424,7 @@ class GossipPeer:
         self.membership.join()
         self.averager.close_clients()
         self._heartbeat_client.close()
-        said = 0
+        said: set[str] = set()
         if goodbye and self.server is not None:
             # a client of its own: the others were told to stop waiting
             bye = self._client(threading.Event())
@@ -420,13 +434,17 @@ class GossipPeer:
                 self.log.exception("goodbye failed")
             finally:
                 bye.close()
+            if self.keys is None:  # an open group checks a goodbye with a ping: answer it
+                deadline = time.monotonic() + LINGER_S
+                while not said <= self._checked_leaving and time.monotonic() < deadline:
+                    time.sleep(0.01)
         if self.server is not None:
             self.server.close()
         if self.auth is not None:
             self.auth.stop()
         self.write_status(state="stopped")
         self.ctx.destroy(linger=0)
-        self.log.info("left the group (%d peers acknowledged goodbye)", said)
+        self.log.info("left the group (%d peers acknowledged goodbye)", len(said))
 
     # ------------------------------------------------------------ reporting
     def status(self, state: str = "running") -> dict[str, Any]:

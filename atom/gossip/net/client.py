@@ -4,13 +4,11 @@ A DEALER per destination, created lazily, with LINGER 0; a request waits for its
 (matched by rid, and addressed to us) with a poll timeout, and on timeout the socket is
 closed, which drops anything still queued for a dead peer. Nothing here blocks without a
 timeout. One instance per thread (zmq sockets are not thread-safe); a peer's clients
-share one rid counter (servers refuse a rid seen before: replay.py).
+share one source of request ids (servers refuse a rid seen before: replay.py).
 """
 
 from __future__ import annotations
 
-import itertools
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ import zmq
 
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.keys import GroupKeys, secure_client
+from atom.gossip.net.replay import RequestIds
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import POLL_MS, Incoming, frames_nbytes, read_header, received
 from atom.gossip.net.wire import Expect, Rejected, check_frames, pack
@@ -45,8 +44,8 @@ class Client:
         self.shaper, self.counters, self.on_reject, self.stop = shaper, counters, on_reject, stop
         self.me = me
         self._socks: dict[str, zmq.Socket] = {}
-        # one counter for all of a peer's clients: servers refuse a (sender, rid) seen before
-        self._rid = rids if rids is not None else itertools.count(random.getrandbits(40))
+        # one source for all of a peer's clients: servers refuse a (sender, rid) seen before
+        self._rid = rids if rids is not None else RequestIds()
 
     def next_rid(self) -> int:
         return next(self._rid)

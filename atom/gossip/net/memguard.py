@@ -105,6 +105,29 @@ def _trim() -> None:
         libc.malloc_trim(0)
 
 
+def open_files() -> int | None:
+    """How many file descriptors this process holds; None where that cannot be counted
+    (no /proc, or no descriptor left to list it with)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def files_settle(timeout_s: float, every_s: float = 0.05) -> None:
+    """Wait (at most timeout_s) until the count of open files stops falling: libzmq
+    closes dropped connections in its own thread, a little after the socket is closed."""
+    deadline = time.monotonic() + timeout_s
+    time.sleep(min(0.2, timeout_s))  # they start to close a little later, too
+    last = open_files()
+    while time.monotonic() < deadline:
+        time.sleep(every_s)
+        now = open_files()
+        if now is not None and last is not None and now >= last:
+            return
+        last = now
+
+
 class InboundMemoryGuard:
     def __init__(self, limit_bytes: int, every_s: float = 0.05, read=None, trim=_trim,
                  confirm_s: float = 0.02):  # fmt: skip
@@ -143,11 +166,8 @@ class InboundMemoryGuard:
         """After a recycle for files, with the listener closed: if the count did not come
         down, the files are not gossip's; leave them alone for a minute."""
         time.sleep(0.2)  # libzmq closes the connections in its own thread
-        try:
-            n = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            n = before
-        if n > 0.9 * before:
+        n = open_files()
+        if n is None or n > 0.9 * before:
             self._next_files = time.monotonic() + 60.0
 
     @property

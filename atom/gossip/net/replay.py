@@ -1,6 +1,9 @@
-"""Replay protection: each request a peer sends carries a request id (`rid`) unique for
-that peer's incarnation (one counter per peer, shared by all its sockets), so a request
-seen once is refused when it comes again.
+"""Replay protection: each request a peer sends carries a request id (`rid`), random and
+63 bits wide (RequestIds, shared by all of a peer's sockets), so a request seen once is
+refused when it comes again. Random, not counted: a peer's pings show its current rid, and
+counted ids let a forger send a peer's next 2,000 in its name, so that the victim's real
+requests were then refused as replays. A message refused for any reason (the rate limit
+included) does not enter the window (transport.py checks the rid last).
 
 Per (sender, incarnation) we remember the rids seen in the last `horizon_s` seconds (at
 most `per_sender` of them, the oldest forgotten first), for at most `max_senders`
@@ -16,8 +19,21 @@ fresh message anyway, and in a keyed group CURVE refuses replays from outside.
 from __future__ import annotations
 
 import collections
+import secrets
 import threading
 import time
+
+
+class RequestIds:
+    """A peer's request ids: unguessable, so nobody can spend them in its name. Thread-safe
+    (every client of a peer draws from one); 2^63 values, so a repeat within the replay
+    window (at most a few thousand ids) is as likely as guessing one."""
+
+    def __iter__(self) -> RequestIds:
+        return self
+
+    def __next__(self) -> int:
+        return secrets.randbits(63)
 
 
 class ReplayWindow:

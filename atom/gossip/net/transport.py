@@ -14,12 +14,13 @@ destination and rid (replay.py); around it all, the memory and open-file guard
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ from atom.gossip.net.handshake import FAILED as HANDSHAKE_FAILED
 from atom.gossip.net.handshake import hung_up, member_note
 from atom.gossip.net.keys import GroupKeys, secure_server
 from atom.gossip.net.limits import RateLimiter, RequestLimits
-from atom.gossip.net.memguard import InboundMemoryGuard
+from atom.gossip.net.memguard import InboundMemoryGuard, files_settle
 from atom.gossip.net.replay import ReplayWindow
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.wire import (
@@ -133,6 +134,7 @@ class Server:
         self._inproc = f"inproc://atom-gossip-replies-{next(_server_ids)}-{id(self)}"
         self._jobs: queue.Queue = queue.Queue(maxsize=workers * 2)
         self._n_workers = workers
+        self._hold, self._held = threading.Event(), threading.Event()  # listener_closed
         self._threads: list[threading.Thread] = []
 
     def _listen(self, endpoint: str, patience_s: float = 0.0) -> zmq.Socket:
@@ -176,6 +178,19 @@ class Server:
             t.start()
         return self.endpoint
 
+    @contextlib.contextmanager
+    def listener_closed(self, timeout_s: float = 5.0) -> Iterator[None]:
+        """No listener (so no connection, and no file descriptor for one) until the block
+        ends: a checkpoint save that ran out of open files gets them, even while a flood
+        of connections comes straight back after every recycle. Peers reconnect after."""
+        self._hold.set()
+        try:
+            if not self.stop.is_set() and self._held.wait(timeout_s):
+                files_settle(timeout_s)
+            yield
+        finally:
+            self._hold.clear()
+
     # ------------------------------------------------------------ I/O thread
     def _io(self, router: zmq.Socket, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
@@ -185,7 +200,21 @@ class Server:
         paused_until = 0.0  # over the message budget: the router is not read until then
         try:
             while not self.stop.is_set():
-                grown, files = self.memory.over(), self.memory.files_over()
+                if self._hold.is_set() == (router is not None):
+                    if router is None:  # the hold is over: listen again
+                        router = self._listen(self.endpoint, patience_s=30.0)
+                        monitor = self._watch(router, poller)
+                        self._held.clear()
+                    else:  # a checkpoint save needs the files the connections hold
+                        if paused_until:
+                            poller.register(router, zmq.POLLIN)
+                            paused_until = 0.0
+                        self._unwatch(router, monitor, poller)
+                        router = monitor = None
+                        self.counters.inc("server.held")
+                        self._held.set()
+                grown, files = (0, 0) if router is None else (self.memory.over(),
+                                                             self.memory.files_over())  # fmt: skip
                 if grown or files:
                     if paused_until:
                         poller.register(router, zmq.POLLIN)
@@ -209,8 +238,11 @@ class Server:
                             out = pull.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._send(router, out)
-                if router in events:
+                        if router is None:  # held closed: the asker reconnects anyway
+                            self.counters.inc("sent.dropped")
+                        else:
+                            self._send(router, out)
+                if router is not None and router in events:
                     for _ in range(64):
                         if not self.budget.allow("all"):
                             # a flood: stop reading for a moment. libzmq queues per
@@ -315,13 +347,8 @@ class Server:
             check_frames(header, parts[1:])
             self._check_sender(header, parts[0])
         except Rejected as err:
-            if err.reason == "oversized" and err.sender is None and parts:
-                err.sender = _sender_hint(parts[0])
-            self.on_reject(err, address)
-            if err.reason in MISMATCHES:
-                self._tell_mismatch(router, ident, address)
+            self._refused(router, ident, address, parts, err)
             return
-        incoming = Incoming(header, parts[1:], nbytes, address)
         self.counters.inc(f"recv.{header['kind']}")
         if not self.limits.allow(address, header["from"]):  # every kind: a ping flood too
             self.counters.inc("rejected.rate")
@@ -329,6 +356,14 @@ class Server:
                                  "over the per-sender rate limit (gossip."
                                  "max_requests_per_s)", header["from"], address)  # fmt: skip
             return
+        # the rid last: a message refused for any reason above must not spend it (forged
+        # in a peer's name, it would fill the window with rids the peer may use)
+        if not self.replays.fresh(header["from"], header["inc"], header["rid"]):
+            err = Rejected("replay", f"{header['kind']} {header['rid']} from "
+                           f"{header['from']!r} was seen before")  # fmt: skip
+            self._refused(router, ident, address, parts, err)
+            return
+        incoming = Incoming(header, parts[1:], nbytes, address)
         if header["kind"] in self.heavy_kinds:
             try:
                 self._jobs.put_nowait((ident, incoming))
@@ -344,9 +379,17 @@ class Server:
         if reply is not None:
             self._reply(router, ident, incoming, reply)
 
+    def _refused(self, router: zmq.Socket, ident: Any, address: str, parts: list,
+                 err: Rejected) -> None:  # fmt: skip
+        if err.reason == "oversized" and err.sender is None and parts:
+            err.sender = _sender_hint(parts[0])
+        self.on_reject(err, address)
+        if err.reason in MISMATCHES:
+            self._tell_mismatch(router, ident, address)
+
     def _check_sender(self, header: dict[str, Any], first: Any) -> None:
-        """Who may send this, to whom, and only once. None of these failures penalise the
-        peer the message names: it is most likely not who sent it."""
+        """Who may send this, and to whom. None of these failures (nor a replay) penalise
+        the peer the message names: it is most likely not who sent it."""
         claimed, kind = header["from"], header["kind"]
         if kind not in REQUESTS:
             raise Rejected("schema", f"{kind} from {claimed!r} is a reply, not a request")
@@ -356,8 +399,6 @@ class Server:
                 raise Rejected("identity", f"sent as {claimed!r} over {user or 'another'}'s key")
         if header["to"] != self.me and not (kind == "ping" and header["to"] == ""):
             raise Rejected("misdirected", f"{kind} from {claimed!r} is for {header['to']!r}")
-        if not self.replays.fresh(claimed, header["inc"], header["rid"]):
-            raise Rejected("replay", f"{kind} {header['rid']} from {claimed!r} was seen before")
 
     def _tell_mismatch(self, router: zmq.Socket, ident: Any, address: str) -> None:
         """Answer a well-formed message from another group, model or protocol version with
