@@ -1,12 +1,19 @@
 """Where a run's steps are told: metrics.jsonl (a line a step, always), the loggers the
 config asks for (atom/loggers.py), and the terminal: a progress bar on a terminal, log
-lines otherwise, and the validation loss as it is measured."""
+lines otherwise, and the validation loss as it is measured.
+
+A full disk does not end a run here: records that cannot be written wait in memory (the
+file is cut back to its last whole line) and go out once there is space again, so the
+file keeps one record per step, whole.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +22,8 @@ from tqdm import tqdm
 from atom.run_dir import trim_metrics
 
 log = logging.getLogger(__name__)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+MAX_PENDING = 100_000  # records held while the disk is full (a few hundred bytes each)
 
 
 class RunLog:
@@ -26,12 +35,35 @@ class RunLog:
         self.log_interval = log_interval
         self.bar = tqdm(total=end, initial=start, disable=not progress, unit="step",
                         dynamic_ncols=True, file=sys.stderr)  # fmt: skip
-        self._file = self.path.open("a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pending: list[bytes] = []  # records the disk had no space for yet
+
+    def _write(self) -> None:
+        """Append the pending records whole, or (disk full) none of them."""
+        data = b"".join(self._pending)
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            os.ftruncate(self._fd, start)  # no half line left behind
+            if len(self._pending) == 1:  # said once per full-disk spell
+                log.warning("%s: no space left on the disk; records are kept in memory and "
+                            "written when there is space again", self.path)  # fmt: skip
+            if len(self._pending) > MAX_PENDING:
+                del self._pending[: len(self._pending) - MAX_PENDING]
+            return
+        if len(self._pending) > 1:
+            log.info("%s: %d held records written", self.path, len(self._pending))
+        self._pending.clear()
 
     def step(self, record: dict, postfix: dict) -> None:
         """One finished step's record: to the file, the loggers and the terminal."""
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._pending.append((json.dumps(record) + "\n").encode())
+        self._write()
         for logger in self.loggers:
             logger.log(record)
         done, loss = record["step"], record["loss"]
@@ -66,9 +98,12 @@ class RunLog:
     def rewind(self, step: int) -> None:
         """A rollback to `step`: the records after it leave metrics.jsonl (they are
         trained again) and the bar goes back."""
-        self._file.close()
+        self._pending = [r for r in self._pending if json.loads(r)["step"] <= step]
+        if self._pending:
+            self._write()
+        os.close(self._fd)
         trim_metrics(self.path, step)
-        self._file = self.path.open("a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.bar.n = step
         self.bar.refresh()
 
@@ -76,7 +111,14 @@ class RunLog:
         """The bar, the file and every logger (each closed even if one fails)."""
         self.bar.close()
         try:
-            self._file.close()
+            if self._fd >= 0:
+                if self._pending:
+                    self._write()
+                if self._pending:
+                    log.warning("%s: %d records could not be written (no space left on the "
+                                "disk)", self.path, len(self._pending))  # fmt: skip
+                os.close(self._fd)
+                self._fd = -1
         finally:
             for logger in self.loggers:
                 logger.close()

@@ -34,9 +34,14 @@ from atom.signals import Interrupts
 
 log = logging.getLogger(__name__)
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 MAX_ROLLBACKS = 2  # to the newest checkpoint, when the loss or the weights go bad
 SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
 T = TypeVar("T")
+
+
+def _strerror(err: BaseException) -> str:
+    return getattr(err, "strerror", None) or str(err).split(";")[0]
 
 
 def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
@@ -480,9 +485,24 @@ class Trainer:
         summary.steps, summary.last_loss = done, result.loss
         if tc.ckpt_interval and done % tc.ckpt_interval == 0:
             with interrupts.saving():
-                summary.checkpoint, self._saved_step = self.save(done), done  # may roll back
+                self._periodic_save(done, summary)  # may roll back
             self._t_prev = time.perf_counter()
         return done
+
+    def _periodic_save(self, step: int, summary: RunSummary) -> None:
+        """A checkpoint on the interval. A full disk skips it (the newest checkpoint on disk
+        is whole, and the next interval tries again): a disk that fills and is freed must
+        not end a run that can go on. The last save of a run still fails loudly."""
+        try:
+            summary.checkpoint, self._saved_step = self.save(step), step
+        except (OSError, CheckpointError) as err:
+            if getattr(err, "errno", None) not in NO_SPACE:
+                raise
+            newest = self._newest_checkpoint()
+            log.warning("step %d: no checkpoint: %s; training goes on (newest on disk: %s), "
+                        "the next save is at step %d", step, _strerror(err),
+                        newest.name if newest else "none",
+                        step + self.cfg.train.ckpt_interval)  # fmt: skip
 
     def _roll_back(self, err: TrainingError, summary: RunSummary, interrupts: Interrupts) -> int:
         """The loss stopped being finite, or a save found bad weights: reload the newest

@@ -101,6 +101,73 @@ def test_a_save_out_of_open_files_is_tried_again(tmp_path, text_dataset, monkeyp
     assert len(list_checkpoints(tmp_path / "run")) == 1
 
 
+def test_a_disk_full_for_a_while_does_not_end_the_run(tmp_path, text_dataset, monkeypatch):
+    """Steps 3-6 find the disk full: their saves are skipped with a warning (the one on
+    disk stays whole), their metrics records wait in memory and the file never holds half
+    a line; once there is space the records are written in order and saving resumes. The
+    run ends normally with one record per step (a full disk used to end it, leaving half
+    a record in metrics.jsonl)."""
+    import errno
+    import json
+    import os
+
+    import atom.run_log as run_log_module
+    import atom.train as train_module
+    from atom.checkpoint import CheckpointError
+
+    cfg = tiny_config(train={"max_steps": 8, "ckpt_interval": 2, "data": str(text_dataset)})
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    real_train, real_save, real_write = (
+        trainer.engine.train_step,
+        train_module.save_checkpoint,
+        os.write,
+    )
+    full, step = [False], [0]
+
+    def train_step(batches, lr, stop=None):
+        step[0] += 1
+        full[0] = 3 <= step[0] <= 6
+        return real_train(batches, lr, stop)
+
+    def write(fd, data):  # the disk takes a few bytes, then has no more
+        if full[0]:
+            real_write(fd, bytes(data[:7]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    def save(*args, **kwargs):
+        if full[0]:
+            err = CheckpointError("could not save checkpoint (No space left on device)")
+            err.errno = errno.ENOSPC
+            raise err
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.engine, "train_step", train_step)
+    monkeypatch.setattr(train_module, "save_checkpoint", save)
+    monkeypatch.setattr(run_log_module.os, "write", write)
+    seen = []
+    real_step = run_log_module.RunLog.step
+
+    def step_and_look(self, record, postfix):
+        real_step(self, record, postfix)
+        seen.append((tmp_path / "run" / "metrics.jsonl").read_text())
+
+    monkeypatch.setattr(run_log_module.RunLog, "step", step_and_look)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    assert summary.steps == 8
+    for text in seen:  # never half a line, at any step
+        assert text == "" or text.endswith("\n")
+        [json.loads(line) for line in text.splitlines()]
+    assert len(seen[4].splitlines()) == 2  # steps 3-5 held in memory
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [p.name for p in list_checkpoints(tmp_path / "run")][-1] == "step_00000008"
+    assert "step_00000004" not in [p.name for p in list_checkpoints(tmp_path / "run")]
+
+
 @pytest.mark.parametrize(("interval", "calls_made"), [(2, 12), (4, 14)], ids=["save", "loss"])
 def test_a_passing_poisoning_is_rolled_back_and_the_run_goes_on(
     tmp_path, text_dataset, interval, calls_made
