@@ -4,6 +4,7 @@ restarts, checked against invariants (Jepsen-style nemesis runs, for a gossip gr
     python -m tools.soak --minutes 2                  # one fault of each kind that fits
     python -m tools.soak --minutes 60 --seed 7 --each 5 --out soak-7
     python -m tools.soak --minutes 20 --seed 8 --reference   # + a fault-free group to compare
+    python -m tools.soak --minutes 10 --peers 3 --faults none  # a healthy group: no firings
 
 N peers (default 5; tiny model, CPU), each `atom train` in a process of its own: in a
 network namespace of its own on a bridge (tools/netshape.py) when this process may make
@@ -38,7 +39,7 @@ import psutil  # noqa: E402
 
 from tests import gossip_util as gu  # noqa: E402
 from tools import tool_env  # noqa: E402
-from tools.soak_faults import Fault, schedule, usable_kinds  # noqa: E402
+from tools.soak_faults import KINDS, Fault, schedule, usable_kinds  # noqa: E402
 
 PORT = 5555
 DISK_MB = 48  # each peer's run directory, a tmpfs when root: small enough to fill at once
@@ -344,7 +345,14 @@ class Soak:
         seconds = 60.0 * args.minutes
         netns = netshape.available() is None and not args.loopback
         kinds, left_out = usable_kinds(netns, self.root and not args.no_tmpfs)
-        faults = schedule(args.seed, seconds, kinds, WARMUP_S, args.each)
+        if args.faults != "all":
+            asked = [] if args.faults == "none" else args.faults.split(",")
+            unknown = sorted(set(asked) - set(KINDS))
+            if unknown:
+                raise SystemExit(f"soak: no fault kind {unknown}; kinds: {', '.join(KINDS)}")
+            left_out += [f"{k}: not asked for (--faults)" for k in kinds if k not in asked]
+            kinds = [k for k in kinds if k in asked]
+        faults = schedule(args.seed, seconds, kinds, WARMUP_S, args.each) if kinds else []
         late = sum(f.kind == "late_join" for f in faults)
         slots = self.set_up(args.peers + late)
         self.events += left_out
@@ -430,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="the fault schedule (replayable)")
     ap.add_argument("--peers", type=int, default=5)
     ap.add_argument("--each", type=int, default=1, help="faults of every kind at least")
+    ap.add_argument(
+        "--faults", default="all", help="all, none (a healthy group), or kinds separated by commas"
+    )
     ap.add_argument("--out", type=Path, default=None, help="default: a new temporary folder")
     ap.add_argument(
         "--reference",

@@ -140,7 +140,7 @@ class Report:
             f"# Soak: {args.minutes:g} min, seed {args.seed}, {args.peers} peers",
             "",
             f"Command: `python -m tools.soak --minutes {args.minutes:g} --seed {args.seed} "
-            f"--peers {args.peers} --each {args.each}"
+            f"--peers {args.peers} --each {args.each} --faults {args.faults}"
             + (" --reference" if args.reference else "")
             + "`",
             "",
