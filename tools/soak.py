@@ -235,7 +235,8 @@ class Soak:
         f.target = target.index
         f.detail = f"s{target.index}"
         if f.kind.startswith("kill_"):
-            self._mid_save(target, rng)
+            if self._mid_save(target, rng):
+                f.detail += " mid-save"
             self.signal(target, signal.SIGKILL, wait_s=10)
         elif f.kind in ("term_restart", "leave"):
             sig = signal.SIGTERM if f.kind == "term_restart" else signal.SIGINT
@@ -284,16 +285,21 @@ class Soak:
         elif f.kind == "flap":
             self.stop_flap.set()
 
-    def _mid_save(self, s: Slot, rng) -> None:
-        """Half the kills wait (up to 5 s) for a checkpoint being written, to land in it."""
+    def _mid_save(self, s: Slot, rng) -> bool:
+        """Half the kills wait (up to 5 s) for a checkpoint being written, to land in it;
+        True when one was seen being written."""
         if rng.random() < 0.5:
-            return
+            return False
         deadline = time.monotonic() + 5.0
         ckpts = s.run / "checkpoints"
         while time.monotonic() < deadline and s.up:
-            if ckpts.is_dir() and any(p.name.startswith(".tmp-") for p in ckpts.iterdir()):
-                return
+            try:
+                if any(p.name.startswith(".tmp-") for p in ckpts.iterdir()):
+                    return True
+            except OSError:  # not there yet, or the entry went while listing
+                pass
             time.sleep(0.002)
+        return False
 
     def _partition(self, on: bool) -> None:
         verb = "add" if on else "del"
