@@ -24,7 +24,7 @@ from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, 
 from atom.config import Config, ConfigError, model_differences, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
-from atom.engine import Engine
+from atom.engine_protocol import Engine
 from atom.errors import TrainingError
 from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
