@@ -49,7 +49,7 @@ def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     refusal here and `atom profile`'s host-RAM column never disagree, plus, training with
     peers under an outer optimizer, its outer weights and momentum (fp32, 8 bytes a
     parameter; `atom profile` plans one machine and leaves them out)."""
-    from profiler.analysis import ModelAnalysis
+    from atom.profiler.analysis import ModelAnalysis
 
     a = ModelAnalysis.of(cfg)
     disk = cfg.swap.disk_dir is not None
@@ -380,7 +380,7 @@ class Trainer:
         prediction when there is one): to warn before a step of minutes starts."""
         if self.prediction:
             return float(self.prediction["step_s"])
-        from profiler.analysis import ModelAnalysis
+        from atom.profiler.analysis import ModelAnalysis
 
         m, tc = self.cfg.model, self.cfg.train
         per_token = ModelAnalysis.of(self.cfg).flops_per_token()
@@ -560,6 +560,6 @@ LONG_STEP_WARN_S = 60.0
 def _matmul_flops(device, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of a 1024^2 matmul in the compute dtype on `device` (a few ms): about what
     the model's matmuls reach, a little under (small shape), so an estimate errs long."""
-    from profiler.timing import matmul_rate
+    from atom.profiler.timing import matmul_rate
 
     return matmul_rate(device, dtype, n=1024)

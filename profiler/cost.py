@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from profiler.analysis import ModelAnalysis, dtype_bytes
-from profiler.hardware import HardwareSpec
-from profiler.timing import PieceTimes
+from atom.profiler.analysis import ModelAnalysis, dtype_bytes
+from atom.profiler.hardware import HardwareSpec
+from atom.profiler.timing import PieceTimes
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from atom.config import Config, ConfigError, model_differences, replace
-from profiler.analysis import ModelAnalysis, dtype_bytes
-from profiler.cost import Candidate, Prediction, predict
-from profiler.hardware import GiB, HardwareSpec
+from atom.profiler.analysis import ModelAnalysis, dtype_bytes
+from atom.profiler.cost import Candidate, Prediction, predict
+from atom.profiler.hardware import GiB, HardwareSpec
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
 def _longest_fitting_seq_len(
     cfg: Config, c: Candidate, hw: HardwareSpec, dtype: torch.dtype
 ) -> int | None:
-    from profiler.cost import peak_device_bytes
+    from atom.profiler.cost import peak_device_bytes
 
     seq = cfg.model.seq_len // 2
     while seq >= 16:

@@ -17,13 +17,13 @@ import torch
 from atom.cli import main
 from atom.config import CONFIG_DIR, ConfigError, load_config, replace
 from atom.model import build_model, materialize
+from atom.profiler.analysis import ModelAnalysis, block_activation_elements_per_token
+from atom.profiler.cost import Candidate, peak_device_bytes
+from atom.profiler.hardware import GiB
+from atom.profiler.planner import Plan
+from atom.profiler.profile import run_profile
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
-from profiler.analysis import ModelAnalysis, block_activation_elements_per_token
-from profiler.cost import Candidate, peak_device_bytes
-from profiler.hardware import GiB
-from profiler.planner import Plan
-from profiler.profile import run_profile
 from tests.conftest import tiny_config
 from tests.test_swap_equivalence import batches_for
 
@@ -242,7 +242,7 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     """Timing one block at a micro-batch the device cannot hold (on a 24 GB card: the
     head's logits from micro-batch 16) must never crash `atom profile`: that size and the
     larger ones are left out, and the plan uses a smaller one."""
-    from profiler import timing
+    from atom.profiler import timing
 
     monkeypatch.setenv("ATOM_CACHE", str(tmp_path))
     real = timing.measure_pieces
@@ -301,7 +301,7 @@ def test_host_estimate_is_what_the_engine_allocates(state, tied, disk, tmp_path)
 
 
 def test_disk_speed_is_measured_in_the_directory(tmp_path):
-    from profiler.hardware import measure_disk
+    from atom.profiler.hardware import measure_disk
 
     read, write = measure_disk(tmp_path, nbytes=64 << 20, seconds=2)
     assert read > 1e6 and write > 1e6
@@ -335,7 +335,7 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     with pytest.raises(ConfigError, match="swap.disk_dir=DIR"):
         plan.apply(cfg)
     assert plan.apply(replace(cfg, swap={"disk_dir": "/tmp"})).swap.disk_dir == "/tmp"
-    from profiler.planner import Infeasible
+    from atom.profiler.planner import Infeasible
 
     with pytest.raises(Infeasible, match="even as compact state on the NVMe tier"):
         run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=24 * GiB, progress=False)
@@ -413,7 +413,7 @@ def test_profile_says_the_host_ram_and_pinned_bytes_of_its_choice(tmp_path, caps
 def test_the_block_timing_estimate_follows_the_measurements():
     """Said before each measurement: from a matmul's rate first, then from what the
     measurements so far took (the work grows with the micro-batch)."""
-    from profiler.timing import MeasureClock, say_seconds
+    from atom.profiler.timing import MeasureClock, say_seconds
 
     clock = MeasureClock(ModelAnalysis.of(tiny_config()), torch.device("cpu"), torch.float32)
     assert 0 < clock.seconds(1) < 60 and clock.seconds(4) == pytest.approx(4 * clock.seconds(1))

@@ -59,9 +59,9 @@ def train_child(
     import torch
 
     from atom.config import load_config
+    from atom.profiler.planner import Plan
     from atom.sizes import parse_bytes
     from atom.train import build_engine
-    from profiler.planner import Plan
 
     out = Path(os.environ["GPU_CHECK_OUT"])
     cfg = load_config(config, [s for s in sets if s != "--set"])

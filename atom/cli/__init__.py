@@ -205,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_profile(args) -> int:
-    from profiler.hardware import parse_bytes
-    from profiler.planner import Infeasible, describe_host, format_table
-    from profiler.profile import run_profile
+    from atom.profiler.hardware import parse_bytes
+    from atom.profiler.planner import Infeasible, describe_host, format_table
+    from atom.profiler.profile import run_profile
 
     cfg = load_run_config(args.config, args.overrides)
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None

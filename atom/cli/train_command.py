@@ -61,7 +61,7 @@ def resolve_run(args):
             cfg.train.max_steps = args.max_steps
     plan = None
     if args.plan:
-        from profiler.planner import Plan
+        from atom.profiler.planner import Plan
 
         plan = Plan.load(Path(args.plan))
         cfg = plan.apply(cfg)
