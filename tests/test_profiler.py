@@ -102,7 +102,7 @@ def test_memory_model_matches_the_engine_accounting(
         measured = engine.ledger.peak
     finally:
         engine.close()
-    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order, resident)
+    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order, resident_units=resident)
     predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
     assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
 
@@ -327,8 +327,8 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     plan, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False
     )
-    assert plan.swap["state"] == "compact" and plan.swap["disk_tier"]
-    assert all(s.candidate.disk for s in ranked)
+    assert plan.swap["state"] == "compact" and plan.disk_tier
+    assert all(s.candidate.disk_tier for s in ranked)
     assert plan.prediction["host_bytes"] <= 32 * GiB
     assert "on disk in swap.disk_dir" in plan.notes[0]
     # training with that plan needs the directory, and says so

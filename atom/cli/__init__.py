@@ -238,7 +238,7 @@ def cmd_profile(args) -> int:
         f"{plan.swap['prefetch']}, micro-batch {plan.micro_batch} x {plan.grad_accum}, "
         f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
         f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}, "
-        f"{describe_host(plan.swap['state'], plan.swap.get('disk_tier', False))}: "
+        f"{describe_host(plan.swap['state'], plan.disk_tier)}: "
         f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
         f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"
     )
