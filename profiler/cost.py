@@ -42,7 +42,6 @@ class Candidate:
     state: str = "fp32"  # fp32, or compact (bf16 + 8-bit moments, half the RAM)
     disk_tier: bool = False  # master and moments on disk (swap.disk_dir), paged around updates
 
-
     def swap_settings(self) -> dict:
         """The swap section this candidate means (disk_tier aside: the directory is the
         user's, swap.disk_dir)."""
