@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -38,6 +38,9 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 MAX_ROLLBACKS = 2  # to the newest checkpoint, when the loss or the weights go bad
 SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from atom.profiler.cost import Prediction
 
 
 def _strerror(err: BaseException) -> str:
@@ -169,7 +172,7 @@ class Trainer:
         resident: bool = False,
         resume: Path | None = None,
         progress: bool = True,
-        prediction: dict | None = None,
+        prediction: Prediction | None = None,
     ):
         self.cfg = cfg
         self.prediction = prediction  # from a plan: step_s and peak_device_bytes
@@ -378,8 +381,8 @@ class Trainer:
     def estimated_step_s(self) -> float:
         """A step's time from its FLOPs and this device's measured matmul rate (a plan's
         prediction when there is one): to warn before a step of minutes starts."""
-        if self.prediction:
-            return float(self.prediction["step_s"])
+        if self.prediction is not None:
+            return float(self.prediction.step_s)
         from atom.profiler.analysis import ModelAnalysis
 
         m, tc = self.cfg.model, self.cfg.train
@@ -546,9 +549,9 @@ class Trainer:
         }
         if result.grad_norm is not None:
             record["grad_norm"] = result.grad_norm
-        if self.prediction:
-            record["predicted_step_s"] = self.prediction["step_s"]
-            record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
+        if self.prediction is not None:
+            record["predicted_step_s"] = self.prediction.step_s
+            record["predicted_peak_bytes"] = self.prediction.peak_device_bytes
         if result.skipped:
             record["skipped"] = True
         return record

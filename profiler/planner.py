@@ -43,7 +43,7 @@ class Plan:
     swap: dict  # the swap section it means, in SwapConfig's names
     micro_batch: int
     grad_accum: int
-    prediction: dict
+    prediction: Prediction
     disk_tier: bool = False  # master and moments on disk: swap.disk_dir is the user's to give
     candidates: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the user should know about the choice
@@ -67,8 +67,9 @@ class Plan:
                 f"{path} is not an atom plan (version {PLAN_VERSION}); run `atom profile` again"
             )
         try:
+            data["prediction"] = Prediction(**data["prediction"])
             return cls(**data)
-        except TypeError as err:
+        except (TypeError, KeyError) as err:
             raise ConfigError(
                 f"{path} is not a valid plan ({err}); run `atom profile` again"
             ) from None
@@ -374,7 +375,7 @@ def make_plan(
         swap=c.swap_settings(),
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,
-        prediction=best.prediction.to_dict(),
+        prediction=best.prediction,
         disk_tier=c.disk_tier,
         candidates=[s.row() for s in ranked[:20]],
     )

@@ -112,7 +112,7 @@ def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
     plan, ranked, hw = run_profile(
         cfg, stated="rtx3060", gpu_mem=64 * 2**20, host_mem=GiB, progress=False
     )
-    assert plan.prediction["peak_device_bytes"] <= 64 * 2**20
+    assert plan.prediction.peak_device_bytes <= 64 * 2**20
     assert all(r.fits_device and r.fits_host for r in ranked)
     fastest = min(r.prediction.step_s for r in ranked)
     assert ranked[0].prediction.step_s <= fastest * 1.01  # fastest, up to a 1% tie...
@@ -140,8 +140,8 @@ def test_a_tight_budget_forces_checkpointing_and_small_batches():
     tight, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=tight_budget, host_mem=GiB, progress=False
     )
-    assert loose.prediction["peak_device_bytes"] > tight_budget  # the budget bites
-    assert tight.prediction["peak_device_bytes"] <= tight_budget
+    assert loose.prediction.peak_device_bytes > tight_budget  # the budget bites
+    assert tight.prediction.peak_device_bytes <= tight_budget
     assert tight.swap["checkpoint"] or tight.micro_batch < loose.micro_batch
 
 
@@ -185,8 +185,8 @@ def test_every_config_profiles_on_meta_in_seconds(path):
     )
     assert time.perf_counter() - t0 < 20
     assert psutil.Process(os.getpid()).memory_info().rss - rss < 300 * 2**20
-    assert plan.prediction["peak_device_bytes"] <= 24 * GiB
-    assert plan.prediction["host_bytes"] <= 128 * GiB
+    assert plan.prediction.peak_device_bytes <= 24 * GiB
+    assert plan.prediction.host_bytes <= 128 * GiB
 
 
 def test_profile_and_train_with_the_plan_through_the_cli(
@@ -322,14 +322,14 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     )
     assert plan.swap["state"] == "compact"
     assert all(s.candidate.state == "compact" for s in ranked)
-    assert plan.prediction["host_bytes"] <= 64 * GiB
+    assert plan.prediction.host_bytes <= 64 * GiB
     assert "fp32 state in RAM needs" in plan.notes[0] and "x the step time" in plan.notes[0]
     plan, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False
     )
     assert plan.swap["state"] == "compact" and plan.disk_tier
     assert all(s.candidate.disk_tier for s in ranked)
-    assert plan.prediction["host_bytes"] <= 32 * GiB
+    assert plan.prediction.host_bytes <= 32 * GiB
     assert "on disk in swap.disk_dir" in plan.notes[0]
     # training with that plan needs the directory, and says so
     with pytest.raises(ConfigError, match="swap.disk_dir=DIR"):

@@ -239,11 +239,11 @@ def cmd_profile(args) -> int:
         f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
         f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}, "
         f"{describe_host(plan.swap['state'], plan.disk_tier)}: "
-        f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
-        f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"
+        f"{best.step_s:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
+        f"{best.peak_device_bytes / 2**30:.2f} GiB device peak ({best.bottleneck}-bound)"
     )
-    pinned = best.get("detail", {}).get("pinned_bytes", 0)
-    host = best.get("host_bytes")
+    pinned = best.detail.get("pinned_bytes", 0)
+    host = best.host_bytes
     if host:
         print(
             f"atom: host RAM for model state {host / 2**30:.2f} GiB"
