@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from atom.config import Config, ConfigError
-from atom.engine import EngineInfo, SharedUnit, StepResult
+from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model, lm_loss, materialize
 from atom.model.documents import micro_batch
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -24,7 +24,7 @@ from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, 
 from atom.config import Config, ConfigError, model_differences, replace
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
-from atom.engine import Engine
+from atom.engine_protocol import Engine
 from atom.errors import TrainingError
 from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
@@ -39,6 +39,9 @@ MAX_ROLLBACKS = 2  # to the newest checkpoint, when the loss or the weights go b
 SAVE_ATTEMPTS, SAVE_RETRY_S = 4, 2.0
 T = TypeVar("T")
 
+if TYPE_CHECKING:
+    from atom.profiler.cost import Prediction
+
 
 def _strerror(err: BaseException) -> str:
     return getattr(err, "strerror", None) or str(err).split(";")[0]
@@ -49,7 +52,7 @@ def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     refusal here and `atom profile`'s host-RAM column never disagree, plus, training with
     peers under an outer optimizer, its outer weights and momentum (fp32, 8 bytes a
     parameter; `atom profile` plans one machine and leaves them out)."""
-    from profiler.analysis import ModelAnalysis
+    from atom.profiler.analysis import ModelAnalysis
 
     a = ModelAnalysis.of(cfg)
     disk = cfg.swap.disk_dir is not None
@@ -169,7 +172,7 @@ class Trainer:
         resident: bool = False,
         resume: Path | None = None,
         progress: bool = True,
-        prediction: dict | None = None,
+        prediction: Prediction | None = None,
     ):
         self.cfg = cfg
         self.prediction = prediction  # from a plan: step_s and peak_device_bytes
@@ -378,9 +381,9 @@ class Trainer:
     def estimated_step_s(self) -> float:
         """A step's time from its FLOPs and this device's measured matmul rate (a plan's
         prediction when there is one): to warn before a step of minutes starts."""
-        if self.prediction:
-            return float(self.prediction["step_s"])
-        from profiler.analysis import ModelAnalysis
+        if self.prediction is not None:
+            return float(self.prediction.step_s)
+        from atom.profiler.analysis import ModelAnalysis
 
         m, tc = self.cfg.model, self.cfg.train
         per_token = ModelAnalysis.of(self.cfg).flops_per_token()
@@ -546,9 +549,9 @@ class Trainer:
         }
         if result.grad_norm is not None:
             record["grad_norm"] = result.grad_norm
-        if self.prediction:
-            record["predicted_step_s"] = self.prediction["step_s"]
-            record["predicted_peak_bytes"] = self.prediction["peak_device_bytes"]
+        if self.prediction is not None:
+            record["predicted_step_s"] = self.prediction.step_s
+            record["predicted_peak_bytes"] = self.prediction.peak_device_bytes
         if result.skipped:
             record["skipped"] = True
         return record
@@ -560,6 +563,6 @@ LONG_STEP_WARN_S = 60.0
 def _matmul_flops(device, dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of a 1024^2 matmul in the compute dtype on `device` (a few ms): about what
     the model's matmuls reach, a little under (small shape), so an estimate errs long."""
-    from profiler.timing import matmul_rate
+    from atom.profiler.timing import matmul_rate
 
     return matmul_rate(device, dtype, n=1024)

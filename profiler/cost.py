@@ -16,17 +16,21 @@ chosen prefetch depth, times grad_accum, plus the host optimizer tail.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from profiler.analysis import ModelAnalysis, dtype_bytes
-from profiler.hardware import HardwareSpec
-from profiler.timing import PieceTimes
+from atom.config import SwapConfig
+from atom.profiler.analysis import ModelAnalysis, dtype_bytes
+from atom.profiler.hardware import HardwareSpec
+from atom.profiler.timing import PieceTimes
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """One plan the profiler weighs: a partition, a batch and a host state. Fields that
+    are swap settings carry SwapConfig's names (swap_settings()), so nothing translates."""
+
     layers_per_unit: int
     prefetch: int
     micro_batch: int
@@ -34,9 +38,15 @@ class Candidate:
     checkpoint: bool
     offload_activations: bool
     order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
-    resident: int = 0  # swap.resident_units: block units kept on the device all step
-    state: str = "fp32"  # swap.state: fp32, or compact (bf16 + 8-bit moments, half the RAM)
-    disk: bool = False  # swap.disk_dir: master and moments on disk, paged around updates
+    resident_units: int = 0  # block units kept on the device all step
+    state: str = "fp32"  # fp32, or compact (bf16 + 8-bit moments, half the RAM)
+    disk_tier: bool = False  # master and moments on disk (swap.disk_dir), paged around updates
+
+    def swap_settings(self) -> dict:
+        """The swap section this candidate means (disk_tier aside: the directory is the
+        user's, swap.disk_dir)."""
+        names = {f.name for f in fields(SwapConfig)}
+        return {k: v for k, v in asdict(self).items() if k in names}
 
 
 @dataclass
@@ -55,7 +65,7 @@ class Prediction:
 def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
     dt = dtype_bytes(dtype)
     n_units = len(a.units)
-    slots = (c.prefetch + 1 + c.resident) * a.largest_unit * dt
+    slots = (c.prefetch + 1 + c.resident_units) * a.largest_unit * dt
     hidden = a.hidden_bytes(c.micro_batch, dtype)
     block = a.block_activation_bytes(c.micro_batch, dtype)
     head = a.head_activation_bytes(c.micro_batch, dtype)
@@ -95,7 +105,7 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
 
 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
-    total = a.host_bytes(dtype, c.state, c.disk)
+    total = a.host_bytes(dtype, c.state, c.disk_tier)
     if cuda:
         total += 3 * a.largest_unit * 4  # pinned D2H staging buffers (fp32 when summed)
     if c.offload_activations:
@@ -154,7 +164,7 @@ def predict(
     fwd_c_all = [t * per_pass for t in fwd_c + [times.head]]
     # resident units (the block units before the head) are loaded by the first forward
     # only: later passes and every backward find them on the device
-    pinned = set(range(len(units) - 1 - c.resident, len(units) - 1))
+    pinned = set(range(len(units) - 1 - c.resident_units, len(units) - 1))
     h2d_later = [0.0 if u.index in pinned else h2d[u.index] for u in units]
     fwd, fwd_bus = _pipeline(fwd_c_all, [h2d[u.index] for u in units], c.prefetch)
     fwd_later, fwd_later_bus = _pipeline(fwd_c_all, h2d_later, c.prefetch)
@@ -195,7 +205,7 @@ def predict(
     adam = hw.compact_adam_s_per_param if c.state == "compact" else hw.adam_s_per_param
     optimizer = n * adam
     disk_io = first_read = 0.0
-    if c.disk:
+    if c.disk_tier:
         # every unit's record is read before its update and written back after it; reads
         # and writes share the disk, and run ahead of / behind the updates
         records = a.record_bytes(c.state)
@@ -237,7 +247,7 @@ def predict(
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
             "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
-            "disk_bytes": sum(a.record_bytes(c.state)) if c.disk else 0,
+            "disk_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
             "disk_io_s": disk_io,
             # page-locked on CUDA: every unit's compute copy, the D2H staging pool and
             # the offloaded unit inputs' buffers

@@ -24,7 +24,7 @@ from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli/, too
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-# One core's time for a compact unit update, ns per parameter: `python -m profiler.hardware
+# One core's time for a compact unit update, ns per parameter: `python -m atom.profiler.hardware
 # compact --threads 1` (docs/benchmarks.md: 7.8 on an EPYC core, 6-7x torch's fused fp32
 # update). Presets assume 4 cores' worth: a desktop's 8 at the scaling measured here (2
 # threads ran 1.4-1.5x faster than one).

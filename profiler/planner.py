@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from atom.config import Config, ConfigError, model_differences, replace
-from profiler.analysis import ModelAnalysis, dtype_bytes
-from profiler.cost import Candidate, Prediction, predict
-from profiler.hardware import GiB, HardwareSpec
+from atom.profiler.analysis import ModelAnalysis, dtype_bytes
+from atom.profiler.cost import Candidate, Prediction, predict
+from atom.profiler.hardware import GiB, HardwareSpec
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: swap holds SwapConfig's keys only; the NVMe tier is disk_tier
 
 
 class Infeasible(Exception):
@@ -40,10 +40,11 @@ class Plan:
     hardware: dict
     dtype: str
     target_batch: int
-    swap: dict
+    swap: dict  # the swap section it means, in SwapConfig's names
     micro_batch: int
     grad_accum: int
-    prediction: dict
+    prediction: Prediction
+    disk_tier: bool = False  # master and moments on disk: swap.disk_dir is the user's to give
     candidates: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the user should know about the choice
 
@@ -66,8 +67,9 @@ class Plan:
                 f"{path} is not an atom plan (version {PLAN_VERSION}); run `atom profile` again"
             )
         try:
+            data["prediction"] = Prediction(**data["prediction"])
             return cls(**data)
-        except TypeError as err:
+        except (TypeError, KeyError) as err:
             raise ConfigError(
                 f"{path} is not a valid plan ({err}); run `atom profile` again"
             ) from None
@@ -82,8 +84,8 @@ class Plan:
                 "profile` with the same --config/--set model.* values"
             )
         swap = dict(self.swap)
-        if swap.pop("disk_tier", False):
-            swap["disk_dir"] = cfg.swap.disk_dir or swap.get("disk_dir")
+        if self.disk_tier:
+            swap["disk_dir"] = cfg.swap.disk_dir
             if swap["disk_dir"] is None:
                 raise ConfigError(
                     "the plan keeps master weights and optimizer state on disk (NVMe tier): "
@@ -129,7 +131,7 @@ def candidates(
     cfg: Config, target_batch: int, max_prefetch: int = 3, state: str = "fp32", disk=False
 ):
     for c in _shapes(cfg, target_batch, max_prefetch):
-        yield replace_candidate(c, state=state, disk=disk)
+        yield replace_candidate(c, state=state, disk_tier=disk)
 
 
 def replace_candidate(c: Candidate, **changes) -> Candidate:
@@ -149,7 +151,8 @@ def _shapes(cfg: Config, target_batch: int, max_prefetch: int):
                     # micro-batch-major reloads every unit per micro-batch: keeping some
                     # block units resident all step is what spare device memory buys
                     for resident in _resident_options(n_units - 2 - prefetch):
-                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "micro", resident)
+                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "micro",
+                                        resident_units=resident)  # fmt: skip
 
 
 @dataclass
@@ -233,7 +236,7 @@ def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dty
 
 
 def host_rank(c: Candidate, cfg: Config) -> int:
-    return host_options(cfg, True).index((c.state, c.disk))
+    return host_options(cfg, True).index((c.state, c.disk_tier))
 
 
 def _gib(n: float) -> str:
@@ -249,8 +252,8 @@ def explain_infeasible(
     parts = []
     if host_need > hw.host_mem:
         c = leanest.candidate
-        as_leanest = f" even as {describe_host(c.state, c.disk)}" if c.state != "fp32" else ""
-        if not c.disk and hw.disk_read_bps <= 0:
+        as_leanest = f" even as {describe_host(c.state, c.disk_tier)}" if c.state != "fp32" else ""
+        if not c.disk_tier and hw.disk_read_bps <= 0:
             as_leanest += " (an NVMe tier may fit: --set swap.disk_dir=DIR)"
         parts.append(
             f"host RAM: the model state needs {_gib(host_need)}{as_leanest} but "
@@ -290,9 +293,9 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
     """Why the chosen plan's host state is compact, and what it costs against the fastest
     fp32 plan that fits the device (which host RAM rules out)."""
     best = ranked[0].candidate
-    if best.state == "fp32" and not best.disk:
+    if best.state == "fp32" and not best.disk_tier:
         return []
-    fp32 = [s for s in scored if s.candidate.state == "fp32" and not s.candidate.disk]
+    fp32 = [s for s in scored if s.candidate.state == "fp32" and not s.candidate.disk_tier]
     fastest = min((s for s in fp32 if s.fits_device), key=lambda s: s.prediction.step_s,
                   default=None)  # fmt: skip
     what = {
@@ -303,11 +306,11 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
     where = (
         f" and {_gib(p.detail['disk_bytes'])} on disk in swap.disk_dir, all read and written "
         f"once per step ({p.detail['disk_io_s']:.1f} s of disk time, under the updates)"
-        if best.disk
+        if best.disk_tier
         else ""
     )
     note = (
-        f"chose {describe_host(best.state, best.disk)} ({what}): {_gib(p.host_bytes)} of host "
+        f"chose {describe_host(best.state, best.disk_tier)} ({what}): {_gib(p.host_bytes)} of host "
         f"RAM{where}"
     )
     if fastest is not None:
@@ -322,7 +325,7 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
 def _longest_fitting_seq_len(
     cfg: Config, c: Candidate, hw: HardwareSpec, dtype: torch.dtype
 ) -> int | None:
-    from profiler.cost import peak_device_bytes
+    from atom.profiler.cost import peak_device_bytes
 
     seq = cfg.model.seq_len // 2
     while seq >= 16:
@@ -348,9 +351,10 @@ def format_table(rows: list[Scored], limit: int = 8) -> str:
         c, p = s.candidate, s.prediction
         lines.append(
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
-            f"{c.order if c.grad_accum > 1 else '-'} | {c.resident} | "
+            f"{c.order if c.grad_accum > 1 else '-'} | {c.resident_units} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
-            f"{c.state}{' (disk)' if c.disk else ''} | {p.step_s:.3f} | {p.tokens_per_s:,.0f} | "
+            f"{c.state}{' (disk)' if c.disk_tier else ''} | {p.step_s:.3f} | "
+            f"{p.tokens_per_s:,.0f} | "
             f"{_gib(p.peak_device_bytes)} | "
             f"{_gib(p.host_bytes)} | {p.bottleneck} |"
         )
@@ -368,19 +372,10 @@ def make_plan(
         hardware=hw.to_dict(),
         dtype=str(dtype).replace("torch.", ""),
         target_batch=target_batch,
-        swap={
-            "layers_per_unit": c.layers_per_unit,
-            "prefetch": c.prefetch,
-            "checkpoint": c.checkpoint,
-            "offload_activations": c.offload_activations,
-            "order": c.order,
-            "resident_units": c.resident,
-            "state": c.state,
-            "disk_tier": c.disk,
-            "disk_dir": cfg.swap.disk_dir if c.disk else None,
-        },
+        swap=c.swap_settings(),
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,
-        prediction=best.prediction.to_dict(),
+        prediction=best.prediction,
+        disk_tier=c.disk_tier,
         candidates=[s.row() for s in ranked[:20]],
     )

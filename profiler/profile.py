@@ -11,9 +11,9 @@ from tqdm import tqdm
 
 from atom.config import Config, ConfigError, replace
 from atom.device import DTYPES
-from profiler import hardware, timing
-from profiler.analysis import ModelAnalysis
-from profiler.planner import Plan, Scored, choose, make_plan, search, state_notes
+from atom.profiler import hardware, timing
+from atom.profiler.analysis import ModelAnalysis
+from atom.profiler.planner import Plan, Scored, choose, make_plan, search, state_notes
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ optimizer's speed (HardwareSpec), bytes per unit (ModelAnalysis). Every peer has
 machine; `compute_scale` slows its compute (e.g. several processes sharing cores).
 
 atom      each peer trains a full copy at `peer_batch` sequences per step; its step time
-          is the profiler's swap model (profiler.cost.predict) for the config's partition
+          is the profiler's swap model (atom.profiler.cost.predict) for the config's partition
           or the planner's best plan. Gossip never blocks a step: it sets how often each
           unit is averaged. A push-pull of unit u with partner j moves the unit both ways,
           e = 2 * wire_bytes(u) / rate(i, j) + 2 * latency; a peer runs `lanes` exchanges at
@@ -59,10 +59,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from atom.config import Config, replace
-from profiler.analysis import ModelAnalysis, dtype_bytes
-from profiler.cost import Candidate, Prediction, predict
-from profiler.hardware import HardwareSpec
-from profiler.timing import PieceTimes
+from atom.profiler.analysis import ModelAnalysis, dtype_bytes
+from atom.profiler.cost import Candidate, Prediction, predict
+from atom.profiler.hardware import HardwareSpec
+from atom.profiler.timing import PieceTimes
 
 # Fitted to the 2026-11-21 measured runs (tools/bench_vs_pipeline.py report); see
 # docs/benchmarks.md. Steps between averagings of a unit at which atom keeps half of the
@@ -285,7 +285,7 @@ def atom_step(cfg: Config, m: Machine, micro: int, accum: int, plan: Candidate |
               ) -> tuple[Prediction, Candidate]:  # fmt: skip
     """The per-peer swapped step: the given partition, or the planner's fastest that fits."""
     if plan is None:
-        from profiler.planner import choose, search
+        from atom.profiler.planner import choose, search
 
         target = micro * accum
         ranked = choose(search(cfg, m.hw, m.dtype, target, lambda b, a: m.pieces(b)),

@@ -19,8 +19,8 @@ import torch
 
 from atom.config import Config, ModelConfig
 from atom.model import build_model, lm_loss, materialize
-from profiler.analysis import ModelAnalysis
-from profiler.hardware import HardwareSpec
+from atom.profiler.analysis import ModelAnalysis
+from atom.profiler.hardware import HardwareSpec
 
 log = logging.getLogger(__name__)
 

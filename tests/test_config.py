@@ -112,3 +112,34 @@ def test_rope_scaling_is_validated():
         tiny_config(model={**llama, "rope_type": "llama3", "rope_factor": 8.0}).model.rope_factor
         == 8
     )
+
+
+def test_every_word_setting_refuses_a_typo_naming_the_choices():
+    """Each setting typed Literal (a few words: model.arch, swap.state, gossip.codec, ...)
+    is checked in one place: a typo, from a file or --set or in code, is refused in one
+    line naming the section.key, every word it takes and the closest one."""
+    import typing
+    from dataclasses import fields
+
+    from atom.config import ModelConfig, SwapConfig, TrainConfig
+    from atom.config.choices import choices_of
+    from atom.config.gossip import GossipConfig
+
+    seen = []
+    for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("swap", SwapConfig),
+                         ("gossip", GossipConfig)):  # fmt: skip
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            words = choices_of(hints[f.name])
+            if not words:
+                continue
+            seen.append(f"{section}.{f.name}")
+            typo = words[-1] + "x"
+            with pytest.raises(ConfigError) as err:
+                load_config(None, [f"{section}.{f.name}={typo}"])
+            said = str(err.value)
+            assert said.startswith(f"{section}.{f.name} must be {'|'.join(words)}, got ")
+            assert said.endswith(f"did you mean {words[-1]!r}?") and "\n" not in said
+            with pytest.raises(ValueError, match=f"{f.name} must be"):
+                cls(**{f.name: typo})
+    assert {"model.arch", "train.dtype", "swap.state", "swap.order", "gossip.codec"} <= set(seen)

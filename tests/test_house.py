@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # floor of each module or package (the longest matching prefix wins)
 FLOORS = {
-    "atom.errors": 0, "atom.config": 0, "atom.sizes": 0, "atom.device": 0, "atom.engine": 0,
-    "atom.threads": 0,
+    "atom.errors": 0, "atom.config": 0, "atom.sizes": 0, "atom.device": 0,
+    "atom.engine_protocol": 0, "atom.threads": 0,
     "atom.model": 1, "atom.optim": 1, "atom.compact_adamw": 1, "atom.text": 1,
     "atom.tokenize": 1, "atom.checkpoint": 1, "atom.run_dir": 1, "atom.atomic_dir": 0,
     "atom.swap": 2, "atom.resident": 2, "atom.data": 2, "atom.hf": 2, "atom.gossip.net": 2,
     "atom.loggers": 2,
-    "atom.gossip": 3, "profiler": 3, "atom.run_config": 3,
+    "atom.gossip": 3, "atom.profiler": 3, "atom.run_config": 3,
     "atom.train": 4, "atom.run_log": 4, "atom.signals": 4, "atom.evaluate": 4,
     "atom.generate": 4, "atom.plot": 4, "atom.guard": 4,
     "atom.cli": 5, "atom": 5,
@@ -42,9 +42,11 @@ def floor_of(module: str) -> int | None:
 
 
 def modules():
+    """(dotted name, tree) of every module; profiler/ installs as atom.profiler."""
     for top in ("atom", "profiler"):
         for path in sorted((ROOT / top).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            name = "atom." + name if top == "profiler" else name
             yield name.removesuffix(".__init__"), ast.parse(path.read_text())
 
 
@@ -93,7 +95,7 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "packages"])  # fmt: skip
     found = {
-        ".".join(p.relative_to(ROOT).parts)
+        ("atom." if top == "profiler" else "") + ".".join(p.relative_to(ROOT).parts)
         for top in ("atom", "profiler")
         for p in [ROOT / top, *(ROOT / top).rglob("*")]
         if p.is_dir() and any(p.glob("*.py"))
@@ -104,7 +106,8 @@ def test_every_package_is_installed():
 @pytest.mark.slow
 def test_a_non_editable_install_runs_from_anywhere(tmp_path):
     """`pip install .` (not editable): named configs are found, training and profiling run
-    from another directory (configs/ used to be looked up outside the package)."""
+    from another directory (configs/ used to be looked up outside the package), and the
+    profiler is atom.profiler (it was a top-level `profiler`)."""
     site = tmp_path / "site"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
@@ -114,6 +117,9 @@ def test_a_non_editable_install_runs_from_anywhere(tmp_path):
     if build.returncode != 0 and "No module named" in build.stderr:
         pytest.skip(f"cannot build here: {build.stderr[-300:]}")
     assert build.returncode == 0, build.stderr[-2000:]
+    # the profiler installs under atom's name, from profiler/ (not the checkout's shim)
+    assert not (site / "profiler").exists() and (site / "atom" / "profiler" / "cost.py").exists()
+    assert "__path__" not in (site / "atom" / "profiler" / "__init__.py").read_text()
     away = tmp_path / "elsewhere"
     away.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}  # the installed copy, not the checkout

@@ -17,13 +17,13 @@ import torch
 from atom.cli import main
 from atom.config import CONFIG_DIR, ConfigError, load_config, replace
 from atom.model import build_model, materialize
+from atom.profiler.analysis import ModelAnalysis, block_activation_elements_per_token
+from atom.profiler.cost import Candidate, peak_device_bytes
+from atom.profiler.hardware import GiB
+from atom.profiler.planner import Plan
+from atom.profiler.profile import run_profile
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
-from profiler.analysis import ModelAnalysis, block_activation_elements_per_token
-from profiler.cost import Candidate, peak_device_bytes
-from profiler.hardware import GiB
-from profiler.planner import Plan
-from profiler.profile import run_profile
 from tests.conftest import tiny_config
 from tests.test_swap_equivalence import batches_for
 
@@ -102,7 +102,7 @@ def test_memory_model_matches_the_engine_accounting(
         measured = engine.ledger.peak
     finally:
         engine.close()
-    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order, resident)
+    cand = Candidate(lpu, prefetch, mb, accum, ckpt, offload, order, resident_units=resident)
     predicted = peak_device_bytes(ModelAnalysis.of(cfg), cand, torch.float32, cuda=False)
     assert abs(predicted - measured) / measured <= 0.10, (predicted, measured)
 
@@ -112,7 +112,7 @@ def test_planner_picks_a_feasible_plan_and_it_trains(tmp_path):
     plan, ranked, hw = run_profile(
         cfg, stated="rtx3060", gpu_mem=64 * 2**20, host_mem=GiB, progress=False
     )
-    assert plan.prediction["peak_device_bytes"] <= 64 * 2**20
+    assert plan.prediction.peak_device_bytes <= 64 * 2**20
     assert all(r.fits_device and r.fits_host for r in ranked)
     fastest = min(r.prediction.step_s for r in ranked)
     assert ranked[0].prediction.step_s <= fastest * 1.01  # fastest, up to a 1% tie...
@@ -140,8 +140,8 @@ def test_a_tight_budget_forces_checkpointing_and_small_batches():
     tight, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=tight_budget, host_mem=GiB, progress=False
     )
-    assert loose.prediction["peak_device_bytes"] > tight_budget  # the budget bites
-    assert tight.prediction["peak_device_bytes"] <= tight_budget
+    assert loose.prediction.peak_device_bytes > tight_budget  # the budget bites
+    assert tight.prediction.peak_device_bytes <= tight_budget
     assert tight.swap["checkpoint"] or tight.micro_batch < loose.micro_batch
 
 
@@ -185,8 +185,8 @@ def test_every_config_profiles_on_meta_in_seconds(path):
     )
     assert time.perf_counter() - t0 < 20
     assert psutil.Process(os.getpid()).memory_info().rss - rss < 300 * 2**20
-    assert plan.prediction["peak_device_bytes"] <= 24 * GiB
-    assert plan.prediction["host_bytes"] <= 128 * GiB
+    assert plan.prediction.peak_device_bytes <= 24 * GiB
+    assert plan.prediction.host_bytes <= 128 * GiB
 
 
 def test_profile_and_train_with_the_plan_through_the_cli(
@@ -242,7 +242,7 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     """Timing one block at a micro-batch the device cannot hold (on a 24 GB card: the
     head's logits from micro-batch 16) must never crash `atom profile`: that size and the
     larger ones are left out, and the plan uses a smaller one."""
-    from profiler import timing
+    from atom.profiler import timing
 
     monkeypatch.setenv("ATOM_CACHE", str(tmp_path))
     real = timing.measure_pieces
@@ -301,7 +301,7 @@ def test_host_estimate_is_what_the_engine_allocates(state, tied, disk, tmp_path)
 
 
 def test_disk_speed_is_measured_in_the_directory(tmp_path):
-    from profiler.hardware import measure_disk
+    from atom.profiler.hardware import measure_disk
 
     read, write = measure_disk(tmp_path, nbytes=64 << 20, seconds=2)
     assert read > 1e6 and write > 1e6
@@ -322,20 +322,20 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     )
     assert plan.swap["state"] == "compact"
     assert all(s.candidate.state == "compact" for s in ranked)
-    assert plan.prediction["host_bytes"] <= 64 * GiB
+    assert plan.prediction.host_bytes <= 64 * GiB
     assert "fp32 state in RAM needs" in plan.notes[0] and "x the step time" in plan.notes[0]
     plan, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False
     )
-    assert plan.swap["state"] == "compact" and plan.swap["disk_tier"]
-    assert all(s.candidate.disk for s in ranked)
-    assert plan.prediction["host_bytes"] <= 32 * GiB
+    assert plan.swap["state"] == "compact" and plan.disk_tier
+    assert all(s.candidate.disk_tier for s in ranked)
+    assert plan.prediction.host_bytes <= 32 * GiB
     assert "on disk in swap.disk_dir" in plan.notes[0]
     # training with that plan needs the directory, and says so
     with pytest.raises(ConfigError, match="swap.disk_dir=DIR"):
         plan.apply(cfg)
     assert plan.apply(replace(cfg, swap={"disk_dir": "/tmp"})).swap.disk_dir == "/tmp"
-    from profiler.planner import Infeasible
+    from atom.profiler.planner import Infeasible
 
     with pytest.raises(Infeasible, match="even as compact state on the NVMe tier"):
         run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=24 * GiB, progress=False)
@@ -413,7 +413,7 @@ def test_profile_says_the_host_ram_and_pinned_bytes_of_its_choice(tmp_path, caps
 def test_the_block_timing_estimate_follows_the_measurements():
     """Said before each measurement: from a matmul's rate first, then from what the
     measurements so far took (the work grows with the micro-batch)."""
-    from profiler.timing import MeasureClock, say_seconds
+    from atom.profiler.timing import MeasureClock, say_seconds
 
     clock = MeasureClock(ModelAnalysis.of(tiny_config()), torch.device("cpu"), torch.float32)
     assert 0 < clock.seconds(1) < 60 and clock.seconds(4) == pytest.approx(4 * clock.seconds(1))

@@ -11,9 +11,9 @@ import torch
 
 from atom.cli import main
 from atom.config import Config, load_config
-from profiler.cost import Candidate
-from profiler.hardware import stated
-from profiler.simulate import (
+from atom.profiler.cost import Candidate
+from atom.profiler.hardware import stated
+from atom.profiler.simulate import (
     Links,
     Machine,
     Workload,
@@ -25,7 +25,7 @@ from profiler.simulate import (
     simulate_pipeline,
     split_layers,
 )
-from profiler.timing import PieceTimes
+from atom.profiler.timing import PieceTimes
 
 
 def test_allreduce_is_ring_volume_over_the_link():

@@ -44,6 +44,6 @@ def test_parse_bytes_refuses_with_one_line_naming_the_value(text) -> None:
 
 
 def test_callers_share_the_parser() -> None:
-    from profiler import hardware
+    from atom.profiler import hardware
 
     assert hardware.parse_bytes is parse_bytes

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from profiler.hardware import measure_compact_update, measure_host_optimizer
+from atom.profiler.hardware import measure_compact_update, measure_host_optimizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,9 +58,9 @@ CONFIGS = {
 def child(args) -> int:
     from atom.config import load_config
     from atom.optim import lr_at
+    from atom.profiler.analysis import ModelAnalysis
     from atom.swap.backend import CpuBackend
     from atom.swap.engine import SwapEngine
-    from profiler.analysis import ModelAnalysis
 
     torch.set_flush_denormal(True)
     cfg = load_config(None, args.set)

@@ -83,8 +83,8 @@ def profile(work: Path, peers: int, chunks: int) -> dict:
     import torch
 
     from atom.config import load_config
-    from profiler import hardware, timing
-    from profiler.analysis import ModelAnalysis
+    from atom.profiler import hardware, timing
+    from atom.profiler.analysis import ModelAnalysis
 
     torch.set_num_threads(1)
     cfg = load_config(None, overrides())

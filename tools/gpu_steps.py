@@ -59,9 +59,9 @@ def train_child(
     import torch
 
     from atom.config import load_config
+    from atom.profiler.planner import Plan
     from atom.sizes import parse_bytes
     from atom.train import build_engine
-    from profiler.planner import Plan
 
     out = Path(os.environ["GPU_CHECK_OUT"])
     cfg = load_config(config, [s for s in sets if s != "--set"])
@@ -80,7 +80,7 @@ def train_child(
         torch.cuda.reset_peak_memory_stats()
     res = {
         "plan": {"swap": plan.swap, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum},
-        "predicted": plan.prediction,
+        "predicted": plan.prediction.to_dict(),
         "build_s": round(build_s, 1),
     }
     backend = engine.backend
@@ -103,7 +103,7 @@ def train_child(
         tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
         hw = plan.hardware
         bus_floor = moved / hw["h2d_bps"] if hw.get("h2d_bps") else None
-        compute = plan.prediction["detail"]["compute_s"]
+        compute = plan.prediction.detail["compute_s"]
         peak = engine.device_peak_bytes()
         dt = torch.empty(0, dtype=engine.dtype).element_size()
         bus_buffers = sum(u.n_total for u in engine.units) * dt
@@ -123,8 +123,8 @@ def train_child(
             h2d_achieved_gbps=round(moved / step_s / 1e9, 2),  # over the whole step
             h2d_copy_gbps=round(copy_gbps, 2) if copy_gbps else None,  # while copying
             device_peak_bytes=peak,
-            peak_over_predicted=round(peak / plan.prediction["peak_device_bytes"], 3),
-            step_over_predicted=round(step_s / plan.prediction["step_s"], 3),
+            peak_over_predicted=round(peak / plan.prediction.peak_device_bytes, 3),
+            step_over_predicted=round(step_s / plan.prediction.step_s, 3),
         )
         write()
         res["variants"] = []

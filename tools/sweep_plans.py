@@ -30,9 +30,9 @@ import time
 import torch
 
 from atom.config import load_config, replace
+from atom.profiler.hardware import parse_bytes
+from atom.profiler.profile import run_profile
 from atom.train import build_engine
-from profiler.hardware import parse_bytes
-from profiler.profile import run_profile
 from tools.bench_swap import make_batches
 from tools.cpuload import ForeignLoad, wait_quiet
 

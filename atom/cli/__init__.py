@@ -205,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_profile(args) -> int:
-    from profiler.hardware import parse_bytes
-    from profiler.planner import Infeasible, describe_host, format_table
-    from profiler.profile import run_profile
+    from atom.profiler.hardware import parse_bytes
+    from atom.profiler.planner import Infeasible, describe_host, format_table
+    from atom.profiler.profile import run_profile
 
     cfg = load_run_config(args.config, args.overrides)
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
@@ -238,12 +238,12 @@ def cmd_profile(args) -> int:
         f"{plan.swap['prefetch']}, micro-batch {plan.micro_batch} x {plan.grad_accum}, "
         f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
         f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}, "
-        f"{describe_host(plan.swap['state'], plan.swap.get('disk_tier', False))}: "
-        f"{best['step_s']:.3f} s/step, {best['tokens_per_s']:,.0f} tokens/s, "
-        f"{best['peak_device_bytes'] / 2**30:.2f} GiB device peak ({best['bottleneck']}-bound)"
+        f"{describe_host(plan.swap['state'], plan.disk_tier)}: "
+        f"{best.step_s:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
+        f"{best.peak_device_bytes / 2**30:.2f} GiB device peak ({best.bottleneck}-bound)"
     )
-    pinned = best.get("detail", {}).get("pinned_bytes", 0)
-    host = best.get("host_bytes")
+    pinned = best.detail.get("pinned_bytes", 0)
+    host = best.host_bytes
     if host:
         print(
             f"atom: host RAM for model state {host / 2**30:.2f} GiB"

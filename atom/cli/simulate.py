@@ -105,11 +105,11 @@ def add_command(sub) -> None:
 def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, sizes: list[int],
             scale: float):  # fmt: skip
     """(Machine, label) for one --hardware value."""
-    from profiler import hardware, timing
-    from profiler.analysis import ModelAnalysis
-    from profiler.profile import cached_hardware, stated_dtype
-    from profiler.simulate import Machine
-    from profiler.timing import PieceTimes
+    from atom.profiler import hardware, timing
+    from atom.profiler.analysis import ModelAnalysis
+    from atom.profiler.profile import cached_hardware, stated_dtype
+    from atom.profiler.simulate import Machine
+    from atom.profiler.timing import PieceTimes
 
     path = Path(spec)
     if spec == "measured":
@@ -148,7 +148,7 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
 
 
 def _link_sets(args, peers: int):
-    from profiler.simulate import Links
+    from atom.profiler.simulate import Links
 
     lat = args.latency_ms / 1000
     if args.links:
@@ -198,10 +198,10 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from profiler.analysis import ModelAnalysis
-    from profiler.cost import Candidate
-    from profiler.planner import Infeasible
-    from profiler.simulate import Workload, simulate
+    from atom.profiler.analysis import ModelAnalysis
+    from atom.profiler.cost import Candidate
+    from atom.profiler.planner import Infeasible
+    from atom.profiler.simulate import Workload, simulate
 
     if args.peers < 2:
         raise ConfigError("--peers must be >= 2")

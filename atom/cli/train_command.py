@@ -61,7 +61,7 @@ def resolve_run(args):
             cfg.train.max_steps = args.max_steps
     plan = None
     if args.plan:
-        from profiler.planner import Plan
+        from atom.profiler.planner import Plan
 
         plan = Plan.load(Path(args.plan))
         cfg = plan.apply(cfg)
@@ -142,11 +142,11 @@ def cmd_train(args) -> int:
     if plan is not None and summary.step_time_s is not None:
         pred = plan.prediction
         print(
-            f"atom: plan predicted {pred['step_s']:.3f} s/step and "
-            f"{pred['peak_device_bytes'] / 2**20:.1f} MiB device peak; measured "
-            f"{summary.step_time_s:.3f} s/step ({summary.step_time_s / pred['step_s']:.2f}x) and "
+            f"atom: plan predicted {pred.step_s:.3f} s/step and "
+            f"{pred.peak_device_bytes / 2**20:.1f} MiB device peak; measured "
+            f"{summary.step_time_s:.3f} s/step ({summary.step_time_s / pred.step_s:.2f}x) and "
             f"{summary.device_peak_bytes / 2**20:.1f} MiB "
-            f"({summary.device_peak_bytes / max(pred['peak_device_bytes'], 1):.2f}x)"
+            f"({summary.device_peak_bytes / max(pred.peak_device_bytes, 1):.2f}x)"
         )
     saved_to = f"checkpoint {summary.checkpoint}" if summary.checkpoint else "no checkpoint written"
     print(f"atom: {saved_to}; metrics {out / 'metrics.jsonl'}")

@@ -12,10 +12,11 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from atom.config.choices import check_choices, choices_of
 from atom.config.gossip import GossipConfig
 from atom.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here too)
 
@@ -30,7 +31,7 @@ LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")  # train.logger (atom/loggers
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"  # gpt | llama
+    arch: Literal["gpt", "llama"] = "gpt"
     n_layer: int = 4
     n_head: int = 4
     n_kv_head: int | None = None  # llama grouped-query attention; None = n_head
@@ -39,7 +40,7 @@ class ModelConfig:
     vocab_size: int = 256
     seq_len: int = 128
     bias: bool = False  # gpt only: biases in Linear and LayerNorm
-    gelu: str = "none"  # gpt only: "none" = exact GELU, "tanh" = GPT-2's approximation
+    gelu: Literal["none", "tanh"] = "none"  # gpt only: none = exact GELU; tanh = GPT-2's
     qkv_bias: bool = False  # llama only: biases on q/k/v projections (Qwen2)
     tie_embeddings: bool | None = None  # None: True for gpt, False for llama
     rope_theta: float = 10000.0
@@ -49,7 +50,7 @@ class ModelConfig:
     # between, from rope_low_freq_factor, rope_high_freq_factor and the original context),
     # or "yarn" (YaRN, Qwen2.5's long context: frequencies blended between kept and
     # divided over a ramp set by rope_beta_fast/slow, cos/sin scaled by the attention factor)
-    rope_type: str = "default"
+    rope_type: Literal["default", "linear", "llama3", "yarn"] = "default"
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
@@ -69,8 +70,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.init_from is not None and not self.init_from.strip():
             raise ValueError("model.init_from must be a checkpoint directory or null")
-        if self.arch not in ("gpt", "llama"):
-            raise ValueError(f"model.arch must be 'gpt' or 'llama', got {self.arch!r}")
+        check_choices(self, "model")
         for name in ("n_layer", "n_head", "d_model", "vocab_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -82,14 +82,8 @@ class ModelConfig:
             raise ValueError(
                 f"model.n_kv_head ({self.n_kv_head}) must divide model.n_head ({self.n_head})"
             )
-        if self.gelu not in ("none", "tanh"):
-            raise ValueError(f"model.gelu must be 'none' or 'tanh', got {self.gelu!r}")
         if self.sliding_window is not None and (self.sliding_window < 1 or self.arch != "llama"):
             raise ValueError("model.sliding_window must be >= 1, and applies to arch llama")
-        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(
-                f"model.rope_type must be default|linear|llama3|yarn, got {self.rope_type!r}"
-            )
         if self.rope_type == "yarn" and not (
             self.rope_beta_fast > 0 and self.rope_beta_slow > 0
             and (self.rope_attention_factor is None or self.rope_attention_factor > 0)
@@ -143,8 +137,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables (lets updates overlap backward)
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (compute dtype on the device)
-    optimizer: str = "adamw"  # adamw (torch fused) | deepspeed (DeepSpeedCPUAdam)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # compute dtype on the device
+    optimizer: Literal["adamw", "deepspeed"] = "adamw"  # torch fused | DeepSpeedCPUAdam
     eval_interval: int = 100
     eval_batches: int = 10
     log_interval: int = 10  # a log line every N steps when there is no progress bar
@@ -175,10 +169,7 @@ class TrainConfig:
             raise ValueError(f"train.max_abs_weight must be > 0, got {self.max_abs_weight}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("train.grad_clip and train.weight_decay must be >= 0")
-        if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
-            raise ValueError(f"train.dtype must be auto|fp32|bf16|fp16, got {self.dtype!r}")
-        if self.optimizer not in ("adamw", "deepspeed"):
-            raise ValueError(f"train.optimizer must be adamw|deepspeed, got {self.optimizer!r}")
+        check_choices(self, "train")
         unknown = [n for n in self.logger.split(",") if n.strip() and n.strip() not in LOGGERS]
         if unknown:
             raise ValueError(
@@ -199,11 +190,11 @@ class SwapConfig:
     # (weights cross the bus and gradients come back once per step; the boundary
     # activations of all micro-batches are kept), "micro" runs micro-batch after
     # micro-batch (one micro-batch's activations; weights and gradients move per micro-batch).
-    order: str = "unit"
+    order: Literal["unit", "micro"] = "unit"
     # "exact": updates wait for the global gradient norm (clipping), equal to plain PyTorch.
     # "eager": each unit updates as soon as its gradients land, clipped by the previous
     # step's norm: equal to exact training whenever no step is clipped; hides the optimizer.
-    update: str = "exact"
+    update: Literal["exact", "eager"] = "exact"
     # Block units kept on the device for the whole step in extra slots (those nearest the
     # head): loaded once per step instead of once per micro-batch pass. For micro-batch-
     # major plans with device memory to spare; slots = prefetch + 1 + resident_units.
@@ -213,7 +204,7 @@ class SwapConfig:
     # bf16 master with Kahan compensation, bf16 gradient, 8-bit block-scaled moments (8
     # bytes, and the master doubles as the bf16 bus copy): for models whose fp32 state does
     # not fit host RAM (atom/compact_adamw.py). `atom profile` picks it when fp32 does not fit.
-    state: str = "fp32"
+    state: Literal["fp32", "compact"] = "fp32"
     # NVMe tier: a directory on a fast disk for each unit's master weights and optimizer
     # moments (12 bytes per parameter in fp32 state, 6 compact); RAM keeps the bus copy and
     # the gradient, and `disk_slots` units' state around their updates (read ahead, written
@@ -226,14 +217,9 @@ class SwapConfig:
             raise ValueError(f"swap.disk_slots must be >= 2, got {self.disk_slots}")
         if self.disk_dir is not None and not self.disk_dir.strip():
             raise ValueError("swap.disk_dir must be a directory or null")
-        if self.state not in ("fp32", "compact"):
-            raise ValueError(f"swap.state must be fp32|compact, got {self.state!r}")
+        check_choices(self, "swap")
         if self.resident_units < 0:
             raise ValueError(f"swap.resident_units must be >= 0, got {self.resident_units}")
-        if self.order not in ("unit", "micro"):
-            raise ValueError(f"swap.order must be unit|micro, got {self.order!r}")
-        if self.update not in ("exact", "eager"):
-            raise ValueError(f"swap.update must be exact|eager, got {self.update!r}")
         if self.layers_per_unit < 1:
             raise ValueError(f"swap.layers_per_unit must be >= 1, got {self.layers_per_unit}")
         if self.prefetch < 0:
@@ -313,7 +299,10 @@ def _suggest(name: str, options) -> str:
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
-    """Check a YAML value against a field's annotation (int, float, bool, str, X | None)."""
+    """Check a YAML value against a field's annotation (int, float, bool, str, X | None;
+    a Literal is checked with its words: choices.py)."""
+    if choices_of(hint) is not None:
+        return True  # the section's own check names the words (check_choices)
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for option in options:
         if option is type(None) and value is None:

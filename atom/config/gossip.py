@@ -9,11 +9,16 @@ atom.config: it imports nothing from atom.
 from __future__ import annotations
 
 import re
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-STRATEGIES = ("gossip", "diloco", "noloco")
-SELECTIONS = ("flow", "random")
-CODECS = ("fp32", "bf16", "int8", "topk")
+from atom.config.choices import check_choices
+
+Strategy = Literal["gossip", "diloco", "noloco"]
+Selection = Literal["flow", "random"]
+CodecName = Literal["fp32", "bf16", "int8", "topk"]
+STRATEGIES, SELECTIONS, CODECS = (typing.get_args(t) for t in (Strategy, Selection, CodecName))
 
 _TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.*-]+):(\d{1,5}|\*)$")
 
@@ -74,9 +79,9 @@ class GossipConfig:
     # noloco (the same, the pair's disagreement kept out of the momentum). The default
     # and why (14x fewer bytes, as robust to a poisoning member as plain averaging):
     # docs/benchmarks.md "The outer optimizer"
-    strategy: str = "diloco"
-    selection: str = "flow"  # flow (mixing per second) | random (uniform baseline)
-    codec: str = "int8"  # fp32 | bf16 | int8 (blockwise, replies as deltas) | topk
+    strategy: Strategy = "diloco"
+    selection: Selection = "flow"  # flow (mixing per second) | random (uniform baseline)
+    codec: CodecName = "int8"  # int8: blockwise, replies as deltas
     # topk: the largest topk_fraction of a unit's moves since the reference it shares with
     # the partner (atom/gossip/pairref.py), which costs a copy of the model per partner,
     # for at most topk_partners partners (the least recently used dropped)
@@ -127,13 +132,7 @@ class GossipConfig:
             check_endpoint(self.advertise, "gossip.advertise")
         if self.join and self.listen is None:
             raise ValueError("gossip.join needs gossip.listen (--listen tcp://HOST:PORT) too")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"gossip.strategy must be gossip|diloco|noloco, got "
-                             f"{self.strategy!r}")  # fmt: skip
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"gossip.selection must be flow|random, got {self.selection!r}")
-        if self.codec not in CODECS:
-            raise ValueError(f"gossip.codec must be fp32|bf16|int8|topk, got {self.codec!r}")
+        check_choices(self, "gossip")
         if not 0 < self.topk_fraction <= 0.2:  # above, 5 bytes an entry outweigh int8's 1
             raise ValueError(f"gossip.topk_fraction must be in (0, 0.2], got "
                              f"{self.topk_fraction}")  # fmt: skip

@@ -400,7 +400,7 @@ class Averager:
             raise Rejected("schema", f"a reference with codec {codec.name}")
         held = self.refs.get(h["from"], unit, n_pay)
         # a new rid equal to the tag would, should the reply be lost, leave both ends on
-        # one tag with two references: refused like a mismatch (a 2^-40 chance)
+        # one tag with two references: refused like a mismatch (rids are random: a 2^-63 chance)
         if held is None or held[0] != tag or h["rid"] == tag:
             self.refs.drop(h["from"], unit)
             return False

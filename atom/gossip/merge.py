@@ -1,7 +1,7 @@
 """What a completed exchange does to a unit's fp32 master weights.
 
 UnitParams is all the averager has of the model: the engine's shared units
-(atom.engine.SharedUnit, from `Engine.shared_units()`; gossip never sees an engine), per
+(atom.engine_protocol.SharedUnit, from `Engine.shared_units()`; gossip never sees an engine), per
 unit a snapshot (a copy taken under the unit's lock) and `add` (master += delta under the
 lock; the copy that crosses the bus and any tied alias follow). The host optimizer and
 the H2D copy thread take the same lock, so a merge lands between two optimizer updates of
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.engine import SharedUnit
+from atom.engine_protocol import SharedUnit
 from atom.gossip.net.wire import fingerprint
 from atom.gossip.robust import FIRST_SCALE
 

@@ -28,7 +28,7 @@ import zmq
 
 from atom.config import Config, ConfigError
 from atom.config.gossip import GossipConfig, endpoint_host, is_loopback, parse_rates
-from atom.engine import SharedUnit
+from atom.engine_protocol import SharedUnit
 from atom.gossip.averager import Averager, GossipError
 from atom.gossip.membership import Membership, PeerContext, PeerState, PeerTable, handle_control
 from atom.gossip.merge import UnitParams, make_merge

@@ -31,7 +31,7 @@ import torch
 
 from atom.compact_adamw import ChunkScratch, CompactAdamW
 from atom.config import Config
-from atom.engine import EngineInfo, SharedUnit, StepResult
+from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model
 from atom.model.documents import micro_batch
 from atom.optim import STATE_KEYS, TorchUnitOptimizer

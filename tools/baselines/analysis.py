@@ -220,7 +220,7 @@ def measured_eta(ref: list[tuple[float, float]], curve: list[dict]) -> float | N
 
 def fit_tau0(pairs: list[tuple[float, float]], peers: int) -> float:
     """Least squares over a log grid of tau0 for eta(tau) against measured (tau, eta)."""
-    from profiler.simulate import efficiency
+    from atom.profiler.simulate import efficiency
 
     grid = [10 ** (k / 20) for k in range(-40, 81)]  # 0.01 .. 10^4
     return min(grid, key=lambda t0: sum((efficiency(t, peers, t0) - e) ** 2 for t, e in pairs))

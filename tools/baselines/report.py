@@ -30,10 +30,10 @@ def predictions(work: Path, profile: dict, rates: list[float], peers: int, chunk
 
     from atom.config import load_config
     from atom.gossip.net.codecs import get_codec
-    from profiler.cost import Candidate
-    from profiler.hardware import HardwareSpec
-    from profiler.simulate import Links, Machine, Workload, simulate
-    from profiler.timing import PieceTimes, scaled_times
+    from atom.profiler.cost import Candidate
+    from atom.profiler.hardware import HardwareSpec
+    from atom.profiler.simulate import Links, Machine, Workload, simulate
+    from atom.profiler.timing import PieceTimes, scaled_times
     from tools.baselines.settings import ATOM_ONLY, overrides
 
     hw = HardwareSpec.from_dict(profile["hardware"])
@@ -64,7 +64,7 @@ def _pct(pred: float, meas: float) -> str:
 
 
 def report(work: Path, docs: Path, target_loss: float | None = None) -> dict:
-    from profiler.analysis import ModelAnalysis
+    from atom.profiler.analysis import ModelAnalysis
 
     index = [e for e in json.loads((work / "runs.json").read_text()) if not e.get("error")]
     if not index:
