@@ -464,6 +464,35 @@ def test_a_joiner_with_no_key_or_a_wrong_one_is_told_at_once(group, tmp_path, ca
     assert caplog.text.count("refused 127.0.0.1: its key") == 1  # rate-limited per address
 
 
+def test_the_load_is_read_while_workers_serve(group):
+    """Found by the soak (tools/soak.py): every heartbeat header carries load(), read on
+    the server's I/O thread while a worker notes a served exchange; the unlocked read
+    failed with "deque mutated during iteration" (a traceback in the log, a pong lost)."""
+    import threading
+
+    a = group("a", seed=1, interval_s=60.0)
+    stop, errors = threading.Event(), []
+
+    def serve():
+        while not stop.is_set():
+            a.averager.note_served()
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                assert 0 <= a.averager.load() <= 25.6  # at most the deque's 256 in 10 s
+            except RuntimeError as err:
+                errors.append(err)
+                break
+    finally:
+        stop.set()
+        worker.join()
+    assert errors == []
+
+
 def test_goodbye_crash_and_restart(group):
     a = group("a", seed=1)
     b = group("b", seed=2, join=a.endpoint)

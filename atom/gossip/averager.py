@@ -111,10 +111,17 @@ class Averager:
         with self._busy_lock:
             self._busy.discard(unit)
 
+    def note_served(self) -> None:
+        """One exchange served (a server worker calls it; load() reads on the I/O thread:
+        unlocked, that read once failed with "deque mutated during iteration")."""
+        with self._busy_lock:
+            self._served.append(time.monotonic())
+
     def load(self) -> float:
         """Exchanges we served per second over the last 10 s (shared in heartbeats)."""
         now = time.monotonic()
-        return sum(1 for t in self._served if now - t < 10.0) / 10.0
+        with self._busy_lock:  # served exchanges append from the server's workers
+            return sum(1 for t in self._served if now - t < 10.0) / 10.0
 
     def _timeout(self, p: PeerState | None, nbytes: int) -> float:
         bw = 0.5 * p.bw if p is not None and p.bw else MIN_BW
@@ -383,7 +390,7 @@ class Averager:
                 if new_ref is not None:
                     self.refs.set(h["from"], unit, h["rid"], new_ref)
                 self.table.served_exchange(h["from"])
-                self._served.append(time.monotonic())
+                self.note_served()
                 self.counters.inc("served.ok")
             finally:
                 self._release(unit)
