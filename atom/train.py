@@ -193,6 +193,7 @@ class Trainer:
         self._resources = ExitStack()
         self.interrupt_checkpoint = None  # what an interrupted run saved (the CLI says it)
         self._rollbacks = 0
+        self._skipped_saves = 0  # in a row, for a full disk (_periodic_save)
         self._saved_step: int | None = None  # the step the newest save of this run holds
         self.gossip = None
         self.run_log: RunLog | None = None
@@ -501,11 +502,17 @@ class Trainer:
         except (OSError, CheckpointError) as err:
             if getattr(err, "errno", None) not in NO_SPACE:
                 raise
-            newest = self._newest_checkpoint()
-            log.warning("step %d: no checkpoint: %s; training goes on (newest on disk: %s), "
-                        "the next save is at step %d", step, _strerror(err),
-                        newest.name if newest else "none",
-                        step + self.cfg.train.ckpt_interval)  # fmt: skip
+            self._skipped_saves += 1
+            if self._skipped_saves == 1:  # one line a spell, not one a save
+                newest = self._newest_checkpoint()
+                log.warning("step %d: no checkpoint: %s; training goes on (newest on disk: "
+                            "%s) and each save tries again", step, _strerror(err),
+                            newest.name if newest else "none")  # fmt: skip
+            return
+        if self._skipped_saves:
+            log.info("step %d: saving again, after %d saves skipped for lack of space", step,
+                     self._skipped_saves)  # fmt: skip
+            self._skipped_saves = 0
 
     def _roll_back(self, err: TrainingError, summary: RunSummary, interrupts: Interrupts) -> int:
         """The loss stopped being finite, or a save found bad weights: reload the newest

@@ -101,7 +101,7 @@ def test_a_save_out_of_open_files_is_tried_again(tmp_path, text_dataset, monkeyp
     assert len(list_checkpoints(tmp_path / "run")) == 1
 
 
-def test_a_disk_full_for_a_while_does_not_end_the_run(tmp_path, text_dataset, monkeypatch):
+def test_a_disk_full_for_a_while_does_not_end_the_run(tmp_path, text_dataset, monkeypatch, caplog):
     """Steps 3-6 find the disk full: their saves are skipped with a warning (the one on
     disk stays whole), their metrics records wait in memory and the file never holds half
     a line; once there is space the records are written in order and saving resumes. The
@@ -154,10 +154,13 @@ def test_a_disk_full_for_a_while_does_not_end_the_run(tmp_path, text_dataset, mo
 
     monkeypatch.setattr(run_log_module.RunLog, "step", step_and_look)
     try:
-        summary = trainer.run()
+        with caplog.at_level("INFO", logger="atom"):
+            summary = trainer.run()
     finally:
         trainer.close()
     assert summary.steps == 8
+    assert caplog.text.count("no checkpoint:") == 1  # one line for the spell, not per save
+    assert "saving again, after 2 saves skipped" in caplog.text
     for text in seen:  # never half a line, at any step
         assert text == "" or text.endswith("\n")
         [json.loads(line) for line in text.splitlines()]
