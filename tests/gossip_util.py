@@ -115,7 +115,8 @@ def status(run: Path) -> dict:
         return {}
 
 
-def endpoint(run: Path, timeout: float = 20.0, procs=()) -> str:
+def endpoint(run: Path, timeout: float = 60.0, procs=()) -> str:
+    # (a peer's start is mostly importing torch: 20 s was overrun on a loaded 2-core box)
     wait_for(lambda: status(run).get("endpoint"), timeout, f"{run} to listen", procs)
     return status(run)["endpoint"]
 

@@ -193,7 +193,8 @@ def _training(report: Report, soak, slots) -> None:
     inv = report.add("every peer not gone for good is training at the end")
     live = soak.slots_at_end
     for s in live:
-        recent = [n for t, n in s.steps if t >= soak.now() - 30.0]
+        since = max(soak.now() - 30.0, s.lives[-1].started)  # this process, this run dir
+        recent = [n for t, n in s.steps if t >= since]
         if not s.up:
             inv.fail(f"s{s.index} is not running (exit {s.proc.returncode}; log {s.log})")
         elif len(recent) < 2 or recent[-1] <= recent[0]:

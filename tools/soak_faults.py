@@ -60,7 +60,9 @@ def schedule(
     first `min_each` of every kind (shuffled), then more drawn at random while time is
     left. The same seed and arguments give the same schedule."""
     rng = random.Random(seed)
-    end = seconds - max(10.0, 0.1 * seconds)
+    # the quiet tail: a peer restarted by the last fault has time to start (mostly
+    # importing torch: 10-20 s on a loaded 2-core box) and train before the end is judged
+    end = seconds - max(30.0, 0.1 * seconds)
     first = [k for _ in range(min_each) for k in kinds]
     rng.shuffle(first)
     slot = (end - warmup_s) / max(1, len(first))
