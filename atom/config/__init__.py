@@ -1,7 +1,8 @@
 """Run configuration: dataclasses per concern, loaded from YAML, overridden with --set.
 
 The defaults *are* the tiny CPU demo, so `atom train` with no arguments needs no file.
-Every field is validated in __post_init__ (ValueError) and again across sections in
+Every field is validated in __post_init__ (ValueError; settings that take one of a few
+words are `Literal` and checked by choices.py) and again across sections in
 `Config.validate`; the CLI turns those into one-line errors with exit code 2.
 """
 
