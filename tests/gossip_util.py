@@ -123,9 +123,12 @@ def endpoint(run: Path, timeout: float = 60.0, procs=()) -> str:
 
 def last_step(run: Path) -> int:
     path = Path(run) / "metrics.jsonl"
-    if not path.exists():
+    try:
+        with open(path, "rb") as f:  # the tail only: a soak reads it every second for hours
+            f.seek(max(0, f.seek(0, 2) - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
         return 0
-    lines = path.read_text().splitlines()
     for line in reversed(lines):
         try:
             return json.loads(line)["step"]
@@ -164,7 +167,8 @@ def consensus_distance(runs: list[Path]) -> float:
 
 
 def val_loss(run: Path, data: Path) -> float:
-    """A finished run's checkpoint evaluated on another dataset's validation split."""
+    """A finished run's checkpoint evaluated on another dataset's validation split: the
+    same batches for every run (they are drawn by train.seed, which peers set apart)."""
     from atom.config import Config
     from atom.train import Trainer
 
@@ -172,6 +176,7 @@ def val_loss(run: Path, data: Path) -> float:
     saved["gossip"] = {}
     saved["train"]["data"] = str(data)
     saved["train"]["eval_batches"] = 16
+    saved["train"]["seed"] = 0
     cfg = Config.from_dict(saved)
     trainer = Trainer(cfg, Path(run) / "eval", resident=True, resume=Path(run), progress=False)
     try:

@@ -62,13 +62,14 @@ def test_peers_prints_the_group(tmp_path, capsys):
             "wire": {"steps": 40, "sent_per_step": 2.5e5, "received_per_step": 3e5,
                      "model_fp32_bytes": 1e6},
             "peers": [{"id": "bob", "status": "alive", "step": 40, "bw": 117e6, "rtt": 0.0004,
-                       "last_exchange_s": 1.5, "exchanges": 7, "failures": 0}],
+                       "last_exchange_s": 1.5, "exchanges": 7, "failures": 0,
+                       "apart": 2.5e-5}],
         },
     )  # fmt: skip
     code, out, _ = run(capsys, "peers", str(tmp_path))
     assert code == 0
     assert "peer alice" in out and "step 42" in out and "rejected 1" in out
-    assert "bob" in out and "936.0 Mb/s" in out and "1.5s ago" in out
+    assert "bob" in out and "936.0 Mb/s" in out and "1.5s ago" in out and "2.5e-05" in out
     assert "250.00 kB sent, 300.00 kB received per step over 40 steps (0.25x the fp32" in out
     code, _, err = run(capsys, "peers", str(tmp_path / "nothing"))
     assert code == 2 and "no gossip.json" in err

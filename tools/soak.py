@@ -3,7 +3,7 @@ restarts, checked against invariants (Jepsen-style nemesis runs, for a gossip gr
 
     python -m tools.soak --minutes 2                  # one fault of each kind that fits
     python -m tools.soak --minutes 60 --seed 7 --each 5 --out soak-7
-    python -m tools.soak --minutes 20 --seed 8 --reference   # + a fault-free group to compare
+    python -m tools.soak --minutes 20 --seed 8 --reference   # + a fault-free group beside it
     python -m tools.soak --minutes 10 --peers 3 --faults none  # a healthy group: no firings
 
 N peers (default 5; tiny model, CPU), each `atom train` in a process of its own: in a
@@ -45,6 +45,7 @@ PORT = 5555
 DISK_MB = 48  # each peer's run directory, a tmpfs when root: small enough to fill at once
 CKPT_EVERY = 10  # steps: saves often, so that kills land mid-save too
 WARMUP_S = 20.0
+START_GRACE_S = 120.0  # at the end: for a peer just restarted to make its first steps
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Slot:
     index: int
     home: Path  # holds its run directories (a tmpfs when root)
     port: int = PORT
+    reference: bool = False  # of the fault-free group (--reference): loopback, its own keys
     runs: int = 0  # run directories made (a fresh join makes a new one)
     proc: subprocess.Popen | None = None
     log: Path | None = None
@@ -74,7 +76,8 @@ class Slot:
     lives: list[Life] = field(default_factory=list)
     counters: list[tuple[float, dict]] = field(default_factory=list)  # (t, gossip counters)
     steps: list[tuple[float, int]] = field(default_factory=list)
-    rows: list[tuple[float, dict]] = field(default_factory=list)  # (t, {peer id: exchanges})
+    # (t, {peer id: (exchanges with it, how far apart at the last one)})
+    rows: list[tuple[float, dict]] = field(default_factory=list)
 
     @property
     def run(self) -> Path:
@@ -105,13 +108,16 @@ class Soak:
         return self.net.ip(i) if self.net is not None else "127.0.0.1"
 
     def endpoint(self, s: Slot) -> str:
-        return f"tcp://{self.ip(s.index)}:{s.port}"
+        return f"tcp://{'127.0.0.1' if s.reference else self.ip(s.index)}:{s.port}"
 
     def set_up(self, n_slots: int) -> list[Slot]:
         from tools import netshape
 
         (self.out / "data").mkdir(parents=True, exist_ok=True)
-        self.shards, self.union = gu.make_shards(self.out / "data", n_lines=1500)
+        # every peer trains on the union of three vocabularies, each in its own order: with
+        # a shard each, a peer's val loss swung 0.75-3.2 inside one fault-free group (its
+        # own vocabulary pushed up between exchanges), too much for a 5% comparison
+        _, self.union = gu.make_shards(self.out / "data", n_lines=1500)
         why = netshape.available() if not self.args.loopback else "--loopback"
         if why is None:
             self.net = netshape.NetShape(n_slots, tag="soak")
@@ -156,22 +162,33 @@ class Soak:
         else:
             argv += ["--out", str(s.run)]
         argv += ["--max-steps", str(max_steps),
-                 "--set", f"train.data={self.shards[s.index % len(self.shards)]}",
+                 "--set", f"train.data={self.union}",
                  "--set", f"train.seed={s.index + 1}", *gu.PEER_ARGS,
                  "--set", f"train.ckpt_interval={CKPT_EVERY}",
                  "--set", "train.keep_checkpoints=2", "--listen", self.endpoint(s),
-                 "--group-key", str(self.keys / f"s{s.index}")]  # fmt: skip
+                 "--group-key", str(self.key(s))]  # fmt: skip
         for other in seeds:
             argv += ["--join", self.endpoint(other)]
         env = tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         with open(s.log, "w") as f:
             kw = dict(stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(self.out))
-            if self.net is not None:
+            if self.net is not None and not s.reference:
                 s.proc = self.net.popen(s.index, argv, **kw)
             else:
                 s.proc = subprocess.Popen(argv, preexec_fn=gu._default_sigint, **kw)
         s.started = True
         s.lives.append(Life(s.proc.pid, s.run, self.now()))
+
+    def key(self, s: Slot) -> Path:
+        """Its group key: the reference group has keys of its own, so that the two groups
+        could not mix even if one dialled the other."""
+        return (self.keys.parent / "reference-keys" if s.reference else self.keys) / f"s{s.index}"
+
+    def training_now(self, s: Slot) -> bool:
+        """Up, and its steps went on over the last 30 s of its current process."""
+        since = max(self.now() - 30.0, s.lives[-1].started)
+        recent = [n for t, n in s.steps if t >= since]
+        return s.up and len(recent) >= 2 and recent[-1] > recent[0]
 
     def reap(self, s: Slot) -> None:
         if s.proc is not None and s.proc.poll() is not None and s.lives[-1].ended is None:
@@ -203,7 +220,9 @@ class Soak:
             st = gu.status(s.run)
             if st.get("counters") is not None:
                 s.counters.append((t, st["counters"]))
-                s.rows.append((t, {r["id"]: r["exchanges"] for r in st.get("peers", [])}))
+                s.rows.append(
+                    (t, {r["id"]: (r["exchanges"], r.get("apart")) for r in st.get("peers", [])})
+                )
             s.steps.append((t, gu.last_step(s.run)))
 
     # ------------------------------------------------------------ faults
@@ -321,25 +340,22 @@ class Soak:
         subprocess.run(["ip", "-n", self.net.nodes[i], "link", "set", "eth0", "up"],
                        capture_output=True)  # fmt: skip
 
-    def reference_group(self, steps: int) -> list[Path]:
-        """The same group without faults, on loopback, trained to `steps`: its run dirs."""
+    def reference_group(self) -> list[Slot]:
+        """The same group without faults, on loopback, trained beside the soak for as long
+        (--reference): the survivors' val loss is compared with its."""
+        from atom.gossip.net.keys import keygen
+
         home = self.out / "reference"
-        slots = [Slot(i, home / f"slot{i}", port=_free_port()) for i in range(self.args.peers)]
-        net, self.net = self.net, None  # loopback: nothing is done to its network
-        try:
-            for s in slots:
-                s.home.mkdir(parents=True)
-            self.start(slots[0], "first", [], max_steps=steps)
-            gu.endpoint(slots[0].run, 60, [slots[0].proc])
-            for s in slots[1:]:
-                self.start(s, "join", [slots[0]], max_steps=steps)
-            gu.stop_all([s.proc for s in slots], timeout=max(600.0, 20.0 * steps))
-        finally:
-            for s in slots:
-                if s.up:
-                    s.proc.kill()
-            self.net = net
-        return [s.run for s in slots]
+        slots = [Slot(i, home / f"slot{i}", port=_free_port(), reference=True)
+                 for i in range(self.args.peers)]  # fmt: skip
+        keygen(self.keys.parent / "reference-keys", [f"s{i}" for i in range(self.args.peers)])
+        for s in slots:
+            s.home.mkdir(parents=True)
+        self.start(slots[0], "first", [])
+        gu.endpoint(slots[0].run, 60, [slots[0].proc])
+        for s in slots[1:]:
+            self.start(s, "join", [slots[0]])
+        return slots
 
     # ------------------------------------------------------------ the run
     def main(self) -> int:
@@ -363,12 +379,15 @@ class Soak:
         slots = self.set_up(args.peers + late)
         self.events += left_out
         rng = random.Random(args.seed + 1)
+        reference: list[Slot] = []
         try:
             self.t0 = time.monotonic()
             self.start(slots[0], "first", [])
             gu.endpoint(slots[0].run, 60, [slots[0].proc])
             for s in slots[1 : args.peers]:
                 self.start(s, "join", [slots[0]])
+            if args.reference:
+                reference = self.reference_group()
             pending, active, shown = list(faults), [], 0.0
             while self.now() < seconds:
                 t = self.now()
@@ -387,15 +406,21 @@ class Soak:
                 time.sleep(1.0)
             for f in active:
                 self.end(f, slots, rng)
+            # a peer the last fault restarted may still be importing torch on a loaded box
+            until = self.now() + START_GRACE_S
+            while self.now() < until and not all(self.training_now(s) for s in slots
+                                                 if s.started and not s.gone):  # fmt: skip
+                self.sample(slots)
+                time.sleep(1.0)
             self.sample(slots)
             report = soak_checks.check(self, slots, seconds)
-            for s in slots:  # Ctrl+C, as a user stops a peer; they save on the way out
+            for s in slots + reference:  # Ctrl+C, as a user stops a peer; they save on the way out
                 self.signal(s, signal.SIGINT, wait_s=60)
             report.after_stop(self, slots)
             if args.reference:
-                report.reference(self, seconds)
+                report.reference(self, reference)
         finally:
-            for s in slots:
+            for s in slots + reference:
                 if s.up:
                     s.proc.kill()
             self.tear_down()
@@ -451,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--reference",
         action="store_true",
-        help="also run the group without faults, as long, for the val-loss check",
+        help="also run the group without faults beside it, as long, for the val-loss check",
     )
     ap.add_argument("--loopback", action="store_true", help="no namespaces even as root")
     ap.add_argument("--no-tmpfs", action="store_true", help="no tmpfs run directories")

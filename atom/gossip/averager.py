@@ -371,7 +371,7 @@ class Averager:
                 remote = _as_seen_from(mine, read, remote)
             # trust below 1: clipped lately (not to build on); as judged, not after the
             # reply: another exchange with the same partner may be judged meanwhile
-            diff, remote, _, trust = self._judge(unit, snap, mine, remote, h["from"],
+            diff, remote, apart, trust = self._judge(unit, snap, mine, remote, h["from"],
                                                  held is not None)  # fmt: skip
         except BaseException:
             self._release(unit)
@@ -389,7 +389,7 @@ class Averager:
                 self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
                 if new_ref is not None:
                     self.refs.set(h["from"], unit, h["rid"], new_ref)
-                self.table.served_exchange(h["from"])
+                self.table.served_exchange(h["from"], apart)
                 self.note_served()
                 self.counters.inc("served.ok")
             finally:

@@ -72,6 +72,7 @@ class PeerState:
     failures: int = 0  # consecutive
     backoff_until: float = 0.0
     drift: float | None = None  # relative disagreement per second of not mixing (EWMA)
+    apart: float | None = None  # relative disagreement at the last exchange, either way
     probed: bool = False
     next_ping: float = 0.0  # dead peers are pinged again from this time
     doubted: bool = False  # an unproven goodbye came in its name: the next ping decides
@@ -222,14 +223,15 @@ class PeerTable:
             p.served = ewma(p.served, served)
             since = now - (p.last_exchange if p.last_exchange is not None else p.first_seen)
             p.drift = ewma(p.drift, disagreement / max(since, 1e-3))
+            p.apart = disagreement
             p.last_exchange, p.exchanges, p.failures, p.backoff_until = now, p.exchanges + 1, 0, 0.0
 
-    def served_exchange(self, pid: str) -> None:
+    def served_exchange(self, pid: str, disagreement: float) -> None:
         """The other direction: it exchanged with us (counts as mixing for selection)."""
         with self.lock:
             p = self.peers.get(pid)
             if p is not None:
-                p.last_exchange = time.monotonic()
+                p.last_exchange, p.apart = time.monotonic(), disagreement
 
     def failed(self, pid: str) -> None:
         """Timeout or refusal: back off exponentially (0.5 s .. 30 s), then try again."""
@@ -358,6 +360,7 @@ class PeerTable:
                     "rtt": p.rtt,
                     "last_exchange_s": None if p.last_exchange is None else now - p.last_exchange,
                     "exchanges": p.exchanges,
+                    "apart": p.apart,
                     "failures": p.failures,
                     "penalised": now < self.penalties.get(p.id, 0.0),
                 }

@@ -80,14 +80,16 @@ def format_status(status: dict[str, Any]) -> str:
         f"wire: {per_step}",
         "",
         f"{'peer':<20} {'status':<8} {'step':>8} {'link':>12} {'rtt':>9} {'last exch':>10} "
-        f"{'exch':>6} {'fail':>5}",
+        f"{'exch':>6} {'fail':>5} {'apart':>7}",
     ]
     for p in status.get("peers", []):
         rtt = f"{p['rtt'] * 1000:.1f} ms" if p.get("rtt") else "-"
         last = f"{p['last_exchange_s']:.1f}s ago" if p.get("last_exchange_s") is not None else "-"
+        # how far apart the two models were at the last exchange: |theirs - ours|^2 / |ours|^2
+        apart = f"{p['apart']:.1e}" if p.get("apart") is not None else "-"
         lines.append(
             f"{p['id'][:20]:<20} {p['status']:<8} {p['step']:>8} {_fmt_bw(p.get('bw')):>12} "
-            f"{rtt:>9} {last:>10} {p['exchanges']:>6} {p['failures']:>5}"
+            f"{rtt:>9} {last:>10} {p['exchanges']:>6} {p['failures']:>5} {apart:>7}"
         )
     if not status.get("peers"):
         lines.append("(no other peers known)")
