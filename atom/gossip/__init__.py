@@ -9,6 +9,7 @@ parameters with chosen partners, one unit at a time, and never blocks a training
     merge.py       what an exchange does to master weights: pairwise mean or DiLoCo
     robust.py      the robust merge: refuse, clip and down-weight outlying differences
     pairref.py     the reference a pair of peers shares for top-k exchanges
+    session.py     one exchange's codec work at either end: encode, decode, the pair's reference
     averager.py    the exchange loop (initiator) and its responder, state pull on join
     peer.py        GossipPeer: wires the above to an engine's shared units; the Trainer's hooks
     status.py      gossip.json status file, the table `atom peers` prints

@@ -29,15 +29,16 @@ import torch
 
 from atom.config import ConfigError
 from atom.gossip.membership import PeerContext, PeerState, PeerTable, ewma
-from atom.gossip.merge import DiLoCoMerge, GossipMerge, UnitParams, relative_disagreement
+from atom.gossip.merge import GossipMerge, UnitParams, relative_disagreement
 from atom.gossip.net.client import Client
-from atom.gossip.net.codecs import Codec, check_finite, decode_checked, get_codec, roundtrip
+from atom.gossip.net.codecs import Codec, decode_checked, get_codec
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.transport import Incoming, Reply
 from atom.gossip.net.wire import Rejected
-from atom.gossip.pairref import REF_NACK, PairRefs, next_reference
+from atom.gossip.pairref import REF_NACK, PairRefs
 from atom.gossip.robust import DiffGuard, safe_beta
 from atom.gossip.selection import Selector
+from atom.gossip.session import ReplySession, RequestSession
 
 MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
 STRATEGY_NACK = "this peer's strategy is"
@@ -55,7 +56,7 @@ class Averager:
         params: UnitParams,
         table: PeerTable,
         selector: Selector,
-        merge: GossipMerge | DiLoCoMerge,
+        merge: GossipMerge,  # or a subclass: diloco, noloco
         codec: Codec,
         make_client: Callable[[], Client],  # one per thread (zmq sockets are not shared)
         counters: Counters,
@@ -68,8 +69,8 @@ class Averager:
         refs: PairRefs | None = None,
     ):
         self.params, self.table, self.selector, self.merge = params, table, selector, merge
-        # unit -> (outer weights, momentum, last outer step) pulled while joining (DiLoCo)
-        self.pulled_outer: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # unit -> the merge's state parts pulled while joining (diloco: outer optimizer)
+        self.pulled_parts: dict[int, dict[str, tuple[torch.Tensor, dict]]] = {}
         self.codec, self.make_client, self.counters = codec, make_client, counters
         self.header, self.weight = ctx.header, weight
         self.interval_s, self.timeout_s, self.lanes = interval_s, timeout_s, lanes
@@ -186,21 +187,13 @@ class Averager:
 
     def _exchange(self, partner: PeerState, unit: int) -> bool:
         t0 = time.monotonic()
-        codec = self.codec
-        n = self.params.numel(unit)
         snap = self.params.snapshot(unit)
         mine = self.merge.payload(unit, snap)  # the weights, or noloco's [outer; pseudo-grad]
         h = self.header("xreq", self.client.next_rid(), partner.id)
-        n_pay = self.merge.payload_numel(n)
-        held = self.refs.get(partner.id, unit, n_pay) if codec.name == "topk" else None
-        if held is not None:  # top-k against it (pairref.py); sent: what the partner reads
-            metas, buffers, sent = codec.encode_against(mine, held[1])
-            h["ref"] = held[0]
-        else:
-            metas, buffers = codec.encode(mine)  # may share mine's memory: never written
-            # what the partner will decode: an int8 reply is a delta against exactly that
-            sent = roundtrip(codec, mine) if codec.delta_replies else mine
-        h.update(unit=unit, codec=codec.name, weight=self.weight(), tensors=metas, delta=False)
+        n_pay = self.merge.payload_numel(self.params.numel(unit))
+        session = RequestSession(self.codec, self.refs, partner.id, unit, h["rid"], n_pay)
+        fields, buffers = session.encode(mine)
+        h.update(fields, unit=unit, weight=self.weight())
         if self.merge.payload_kind != "weights":
             h["payload"] = self.merge.payload_kind
         work = time.monotonic() - t0
@@ -221,7 +214,7 @@ class Averager:
             return False
         rh = reply.header
         if rh["from"] == partner.id and rh["kind"] == "nack" and rh.get("reason") == REF_NACK:
-            self.refs.drop(partner.id, unit)  # it holds another reference: dense next time
+            session.abandon()  # it holds another reference: dense next time
             self.counters.inc("exchange.resync")
             return False
         if rh["from"] != partner.id or rh["kind"] in ("busy", "nack"):
@@ -231,40 +224,22 @@ class Averager:
             return False
         t1 = time.monotonic()
         try:
-            if rh["kind"] != "xrep" or rh["unit"] != unit or rh["codec"] != codec.name:
+            if rh["kind"] != "xrep" or rh["unit"] != unit:
                 raise Rejected("schema", f"answered {rh['kind']} unit {rh.get('unit')} to xreq")
             if rh.get("payload", "weights") != self.merge.payload_kind:
                 raise Rejected("schema", f"answered a {rh.get('payload', 'weights')} payload")
-            # a reply to a dense request names our rid when the partner keeps a reference
-            # (it trains on topk too): then so do we; a top-k reply names the request's
-            kept = rh.get("ref")
-            allowed = (None, h["rid"]) if codec.name == "topk" else (None,)
-            if kept not in ((held[0],) if held is not None else allowed):
-                raise Rejected("schema", "the reply's reference is not the request's")
-            if held is not None:
-                remote = codec.decode_against(rh["tensors"], reply.frames, held[1])
-            else:
-                remote = decode_checked(codec, rh["tensors"], reply.frames, n_pay)
-                if rh.get("delta"):
-                    remote = check_finite(sent + remote)
-            new_ref = None
-            if kept is not None:
-                new_ref = next_reference(sent, remote)
-                remote = _as_seen_from(mine, sent, remote)
-            sparse = held is not None
+            remote = session.decode(rh, reply.frames)
             diff, remote, disagreement, trust = self._judge(unit, snap, mine, remote,
-                                                            partner.id, sparse)  # fmt: skip
+                                                            partner.id, session.sparse)  # fmt: skip
         except Rejected as err:
-            if codec.name == "topk":  # the partner moved its reference on, we do not
-                self.refs.drop(partner.id, unit)
+            session.abandon()  # the partner moved its reference on, we do not
             err.sender = partner.id
             self.on_reject(err, reply.address)
             self.counters.inc("exchange.failed")
             return False
         w_me, w_them = self.weight(), rh["weight"]
         self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * trust, remote, trust < 1)
-        if new_ref is not None:
-            self.refs.set(partner.id, unit, h["rid"], new_ref)  # the partner's new tag too
+        session.commit()
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
         self.table.exchanged(
@@ -342,43 +317,24 @@ class Averager:
             # our own codec where it is the request's (topk: our fraction for the reply)
             codec = self.codec if h["codec"] == self.codec.name else get_codec(h["codec"])
             n_pay = self.merge.payload_numel(self.params.numel(unit))
-            held = self._reference_of(h, codec, unit, n_pay)
-            if held is False:  # not the reference the request was built on
+            session = ReplySession.open(codec, self.codec, self.refs, h, unit, n_pay)
+            if session is None:  # not the reference the request was built on
                 self._release(unit)
                 self.counters.inc("served.resync")
                 return _refuse(base, "nack", REF_NACK)
-            if held is not None:
-                remote = codec.decode_against(h["tensors"], incoming.frames, held[1])
-            else:
-                remote = decode_checked(codec, h["tensors"], incoming.frames, n_pay)
+            remote = session.decode(incoming.frames)
             snap = self.params.snapshot(unit)
             mine = self.merge.payload(unit, snap)
-            read = None  # what the partner will read of our reply (topk: for the reference)
-            if held is not None:
-                metas, buffers, read = codec.encode_against(mine, held[1])
-                base["ref"] = held[0]
-            elif codec.delta_replies:
-                # int8 replies are deltas against the request (small numbers, small rounding)
-                metas, buffers = codec.encode(mine - remote)
-                if codec.name == "topk" and self.codec.name == "topk":  # keep a reference
-                    read = remote + codec.decode(metas, buffers, n_pay)
-                    base["ref"] = h["rid"]
-            else:  # fp32/bf16 replies are our payload itself, which nobody writes again
-                metas, buffers = codec.encode(mine)
-            new_ref = None
-            if read is not None:
-                new_ref = next_reference(remote, read)
-                remote = _as_seen_from(mine, read, remote)
+            fields, buffers, remote = session.reply(mine, remote)
             # trust below 1: clipped lately (not to build on); as judged, not after the
             # reply: another exchange with the same partner may be judged meanwhile
             diff, remote, apart, trust = self._judge(unit, snap, mine, remote, h["from"],
-                                                 held is not None)  # fmt: skip
+                                                     session.sparse)  # fmt: skip
         except BaseException:
             self._release(unit)
             raise
         w_me, w_them = self.weight(), h["weight"]
-        base.update(unit=unit, codec=codec.name, weight=w_me, tensors=metas,
-                    delta=codec.delta_replies and held is None)  # fmt: skip
+        base.update(fields, unit=unit, weight=w_me)
         if kind != "weights":
             base["payload"] = kind
         base["served"] = time.monotonic() - incoming.received
@@ -387,8 +343,7 @@ class Averager:
             try:
                 beta = safe_beta(w_me, w_them) * trust
                 self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
-                if new_ref is not None:
-                    self.refs.set(h["from"], unit, h["rid"], new_ref)
+                session.commit()
                 self.table.served_exchange(h["from"], apart)
                 self.note_served()
                 self.counters.inc("served.ok")
@@ -396,22 +351,6 @@ class Averager:
                 self._release(unit)
 
         return base, buffers, apply
-
-    def _reference_of(self, h: dict, codec: Codec, unit: int, n_pay: int):
-        """The pair's (tag, reference) a top-k request was built on; None for a dense
-        request; False when we hold another or none (dropped: the next one is dense)."""
-        tag = h.get("ref")
-        if tag is None:
-            return None
-        if codec.name != "topk":
-            raise Rejected("schema", f"a reference with codec {codec.name}")
-        held = self.refs.get(h["from"], unit, n_pay)
-        # a new rid equal to the tag would, should the reply be lost, leave both ends on
-        # one tag with two references: refused like a mismatch (rids are random: a 2^-63 chance)
-        if held is None or held[0] != tag or h["rid"] == tag:
-            self.refs.drop(h["from"], unit)
-            return False
-        return held
 
     def serve_state(self, incoming: Incoming) -> Reply:
         """Server side of sreq: a joining peer copies one unit, exactly (fp32)."""
@@ -425,11 +364,11 @@ class Averager:
         part = h.get("part", "weights")
         if part == "weights":
             values = self.params.snapshot(unit)
-        elif isinstance(self.merge, DiLoCoMerge):  # a joiner takes the outer optimizer too
-            values = (self.merge.outer if part == "outer" else self.merge.momentum)[unit].clone()
-            base["outer_step"] = self.merge.last_outer_step.get(unit, 0)
+        elif part in self.merge.state_parts:  # e.g. diloco's outer optimizer
+            values, fields = self.merge.state_part(unit, part)
+            base.update(fields)
         else:
-            return _refuse(base, "nack", f"no {part}: this peer averages plainly")
+            return _refuse(base, "nack", f"no {part}: this peer's strategy is {self.merge.name}")
         metas, buffers = get_codec("fp32").encode(values)
         base.update(unit=unit, codec="fp32", weight=self.weight(), tensors=metas, part=part)
         self.counters.inc("served.state")
@@ -494,13 +433,9 @@ class Averager:
             return None
         values, rh = got
         self.params.load(unit, values)
-        if isinstance(self.merge, DiLoCoMerge):  # its outer optimizer too, when it has one
-            outer, momentum = (
-                self._pull_part(p, unit, "outer"),
-                self._pull_part(p, unit, "momentum"),
-            )
-            if outer is not None and momentum is not None:
-                self.pulled_outer[unit] = (outer[0], momentum[0], outer[1].get("outer_step", 0))
+        parts = {part: self._pull_part(p, unit, part) for part in self.merge.state_parts}
+        if parts and all(got is not None for got in parts.values()):  # a member of our kind
+            self.pulled_parts[unit] = parts
         return rh["step"], rh["samples"]
 
     # ------------------------------------------------------------ thread
@@ -522,15 +457,6 @@ class Averager:
             clients, self._clients = self._clients, []
         for c in clients:
             c.close()
-
-
-def _as_seen_from(mine: torch.Tensor, read: torch.Tensor, remote: torch.Tensor) -> torch.Tensor:
-    """Top-k: the partner's payload as the merge should see it, mine + (remote - read),
-    read = what the partner read of ours. Both ends then move by the difference of the two
-    reconstructions (CHOCO-gossip's rule): the pair's sum is kept, and what top-k left out
-    of either payload stays in payload - reference for a later exchange instead of being
-    merged away (x - remote would pull us back towards the partner's idea of us)."""
-    return remote.sub_(read).add_(mine)
 
 
 def _refuse(header: dict[str, Any], kind: str, reason: str, unit: int | None = None) -> Reply:

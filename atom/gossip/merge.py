@@ -108,6 +108,17 @@ class GossipMerge:
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         return {}, {}  # plain averaging keeps no state of its own
 
+    # a unit's state besides its weights, by part: what a member serves a joiner (sreq
+    # `part`) and the joiner adopts after reset()
+    state_parts: tuple[str, ...] = ()
+
+    def state_part(self, unit: int, part: str) -> tuple[torch.Tensor, dict]:
+        """(a copy of the part's values, header fields that go with it)."""
+        raise KeyError(part)
+
+    def adopt(self, unit: int, parts: dict[str, tuple[torch.Tensor, dict]]) -> None:
+        """A joiner takes a member's parts of a unit (each as state_part gave them)."""
+
     def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> bool:
         return False
 
@@ -191,9 +202,17 @@ class DiLoCoMerge(GossipMerge):
         self.outer[unit] = new_outer
         self.last_outer_step[unit] = self.step
 
-    def adopt(self, unit: int, outer: torch.Tensor, momentum: torch.Tensor, step: int) -> None:
+    state_parts = ("outer", "momentum")  # the outer optimizer, so a joiner takes it too
+
+    def state_part(self, unit: int, part: str) -> tuple[torch.Tensor, dict]:
+        values = {"outer": self.outer, "momentum": self.momentum}[part][unit].clone()
+        return values, {"outer_step": self.last_outer_step.get(unit, 0)}
+
+    def adopt(self, unit: int, parts: dict[str, tuple[torch.Tensor, dict]]) -> None:
         """A joiner takes a member's outer state for a unit (after reset())."""
-        self.outer[unit], self.momentum[unit], self.last_outer_step[unit] = outer, momentum, step
+        (outer, fields), (momentum, _) = parts["outer"], parts["momentum"]
+        self.outer[unit], self.momentum[unit] = outer, momentum
+        self.last_outer_step[unit] = int(fields.get("outer_step", 0))
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """For a checkpoint: the outer weights and momentum per unit (copies: merges may

@@ -327,9 +327,9 @@ class GossipPeer:
                 self.step = self.base_step = self.merge.step = step
                 self.base_samples, self.joined_from = samples, source
                 self.merge.reset()
-                for unit, (outer, momentum, last) in self.averager.pulled_outer.items():
-                    self.merge.adopt(unit, outer, momentum, last)  # the group's outer state
-                self.averager.pulled_outer.clear()
+                for unit, parts in self.averager.pulled_parts.items():
+                    self.merge.adopt(unit, parts)  # e.g. the group's outer optimizer
+                self.averager.pulled_parts.clear()
                 self.log.info("joined: copied parameters at step %d from %s", step, source)
         self.averager.ready.set()
         self.averager.start()
