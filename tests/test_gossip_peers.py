@@ -603,3 +603,24 @@ def test_a_diloco_joiner_takes_the_groups_outer_state(group):
     c = group("c", seed=4, join=plain.endpoint, pull_state=True, **d)
     assert torch.equal(c.merge.outer[1], plain.params.snapshot(1))
     assert float(c.merge.momentum[1].abs().max()) == 0.0
+
+
+def test_a_slow_link_is_not_a_dead_peer(group):
+    """On a 2 Mb/s link a unit's exchange (~0.8 MB each way) takes seconds, and a ping sent
+    meanwhile waits behind it: with dead_after 1 s the partner was declared dead while it
+    was sending (issue 29: false deaths over the internet). Silence is judged against the
+    time the link needs for a message, and the exchange's timeout against its measured
+    speed; a fast link keeps the floors (test_goodbye_crash_and_restart)."""
+    slow = {"link_mbps": 2.0, "interval_s": 0.5, "probe_kb": 64}
+    a = group("a", seed=1, model={"d_model": 128}, **slow)
+    b = group("b", seed=2, join=a.endpoint, model={"d_model": 128}, **slow)
+    deaths, deadline = [], time.monotonic() + 12.0
+    while time.monotonic() < deadline:
+        for peer, other in ((a, "b"), (b, "a")):
+            p = peer.table.get(other)
+            if p is not None and p.status != "alive":
+                deaths.append((peer.id, round(deadline - time.monotonic(), 1), p.status))
+        time.sleep(0.05)
+    made = a.counters.get("exchange.ok") + b.counters.get("exchange.ok")
+    assert not deaths, deaths[:5]
+    assert made >= 1

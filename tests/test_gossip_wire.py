@@ -351,6 +351,26 @@ def test_random_selection_is_uniform():
     assert sel.choose([], 1) is None
 
 
+def test_silence_allowed_follows_the_link():
+    """dead_after is the floor (a LAN notices a crash as fast as before); a slow or far
+    link allows a message each way at its measured speed and 4 round trips, capped."""
+    t = PeerTable("me", dead_after=1.5, penalty_s=10, message_bytes=1_400_000)
+    lan = PeerState("lan", "tcp://10.0.0.2:1", 1, rtt=0.0005, bw=100e6)
+    assert t.silence(lan) == 1.5
+    unmeasured = PeerState("new", "tcp://10.0.0.3:1", 1)
+    assert t.silence(unmeasured) == 1.5
+    far = PeerState("far", "tcp://10.0.0.4:1", 1, rtt=0.2, bw=5e6 / 8)  # 200 ms, 5 Mb/s
+    assert t.silence(far) == pytest.approx(4 * 0.2 + 2 * 1_400_000 / (5e6 / 8))  # 5.28 s
+    crawling = PeerState("crawl", "tcp://10.0.0.5:1", 1, rtt=1.0, bw=1000.0)
+    assert t.silence(crawling) == 120.0
+    # the sweep judges each peer by its own link
+    now = time.monotonic()
+    for p in (lan, far):
+        p.status, p.last_heard = "alive", now - 3.0
+        t.peers[p.id] = p
+    assert t.sweep() == ["lan"] and t.get("far").status == "alive"
+
+
 def test_peer_table_liveness_goodbye_and_restart():
     t = PeerTable("me", dead_after=0.2, penalty_s=10)
     h = {"from": "a", "inc": 1, "ep": "tcp://127.0.0.1:1", "kind": "ping", "ready": True,

@@ -433,7 +433,12 @@ class Soak:
         up = sum(s.up for s in slots)
         rate = 0.0
         for s in slots:
-            recent = [(t, n) for t, n in s.steps if t >= self.now() - 10.0]
+            if not s.lives:
+                continue
+            # from 10 s into its process: a (re)joining peer's first records jump to the
+            # group's step, which is not its speed
+            since = max(self.now() - 10.0, s.lives[-1].started + 10.0)
+            recent = [(t, n) for t, n in s.steps if t >= since]
             if len(recent) >= 2 and recent[-1][1] >= recent[0][1]:
                 rate += (recent[-1][1] - recent[0][1]) / max(1e-9, recent[-1][0] - recent[0][0])
         now = ", ".join(f"{f.kind} {f.detail}" for f in active) or "-"

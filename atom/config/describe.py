@@ -103,9 +103,11 @@ DESCRIPTIONS: dict[str, str] = {
     "gossip.topk_partners": "topk: partners a reference copy of the model is kept for",
     "gossip.interval_s": "least seconds between the starts of two exchanges this peer starts",
     "gossip.lanes": "exchanges started at once (with different partners); 0: only answer",
-    "gossip.timeout_s": "seconds an exchange may take (plus time for its bytes)",
+    "gossip.timeout_s": "seconds an exchange may take, plus its bytes at the link's measured "
+    "speed and 4 round trips",
     "gossip.heartbeat_s": "seconds between pings of every known peer",
-    "gossip.dead_after_s": "seconds without word before a peer counts as dead (retried later)",
+    "gossip.dead_after_s": "seconds without word before a peer counts as dead (retried later); "
+    "a slow link gets longer: a message each way at its measured speed and 4 round trips",
     "gossip.join_timeout_s": "give up joining (exit 2) when no member answers within this",
     "gossip.pull_state": "on joining, copy the group's weights and step from a member first",
     "gossip.wait_peers": "before the first step, wait (up to join_timeout_s) for this many others",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from atom.config import ConfigError
-from atom.gossip.membership import PeerContext, PeerState, PeerTable, ewma
+from atom.gossip.membership import SILENT_RTTS, PeerContext, PeerState, PeerTable, ewma
 from atom.gossip.merge import GossipMerge, UnitParams, relative_disagreement
 from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import Codec, decode_checked, get_codec
@@ -41,6 +41,7 @@ from atom.gossip.selection import Selector
 from atom.gossip.session import ReplySession, RequestSession
 
 MIN_BW = 1e6  # bytes/s assumed when sizing the timeout of a transfer to an unmeasured link
+MAX_TRANSFER_S = 600.0  # however slow a partner's link looks, a lane waits no longer
 STRATEGY_NACK = "this peer's strategy is"
 
 
@@ -125,8 +126,14 @@ class Averager:
             return sum(1 for t in self._served if now - t < 10.0) / 10.0
 
     def _timeout(self, p: PeerState | None, nbytes: int) -> float:
-        bw = 0.5 * p.bw if p is not None and p.bw else MIN_BW
-        return self.timeout_s + 2 * nbytes / max(bw, MIN_BW)
+        """timeout_s, plus the time the link takes for nbytes at half its measured speed
+        (MIN_BW until measured) and a few of its round trips. MIN_BW once floored the
+        measured speed too: 0.8 MB each way over 1 Mb/s was given 13.2 s, about what it
+        takes with nothing else on the link."""
+        measured = p is not None and p.bw
+        bw = 0.5 * p.bw if measured else MIN_BW
+        rtt = p.rtt if p is not None and p.rtt else 0.0
+        return self.timeout_s + SILENT_RTTS * rtt + min(2 * nbytes / bw, MAX_TRANSFER_S)
 
     def _pick_unit(self) -> int | None:
         units = self.params.units

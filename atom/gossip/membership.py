@@ -44,6 +44,10 @@ from atom.gossip.net.wire import MAX_LISTED
 EWMA = 0.3  # weight of a new link measurement
 FORGET_AFTER_S = 600.0  # drop dead peers from the table (seeds are still retried)
 EARLY_ROUND_S = 0.1  # ping rounds asked for early (check_soon) come no closer than this
+# silence allowed on a slow or far link: a ping may wait behind a whole exchange message in
+# each direction, plus a few round trips (a lost packet costs TCP about one); at most this
+SILENT_RTTS = 4
+MAX_DEAD_AFTER_S = 120.0
 
 
 def ewma(old: float | None, new: float, alpha: float = EWMA) -> float:
@@ -82,9 +86,11 @@ class PeerTable:
     """All state about other peers, behind one lock (read by the averager, the server's
     threads and the heartbeat thread)."""
 
-    def __init__(self, me: str, dead_after: float, penalty_s: float, max_peers: int = 256):
+    def __init__(self, me: str, dead_after: float, penalty_s: float, max_peers: int = 256,
+                 message_bytes: int = 0):  # fmt: skip
         self.me = me
-        self.dead_after = dead_after
+        self.dead_after = dead_after  # the floor: what a fast link gets
+        self.message_bytes = message_bytes  # the largest exchange message, one way
         self.penalty_s = penalty_s
         # Bounded: 15,000 fake ids made every heartbeat list them all and steps 4x slower.
         # Full, the least recently heard dead (or gone) entry makes room; a peer heard
@@ -114,7 +120,7 @@ class PeerTable:
             if p is not None and (p.endpoint, p.incarnation) != (h["ep"], h["inc"]):
                 # the old address holds only while it still answers our own pings: forged
                 # pings in its name (its address is public) must not keep a ghost there
-                answering = p.answered is not None and now - p.answered <= self.dead_after
+                answering = p.answered is not None and now - p.answered <= self.silence(p)
                 moving = answering and p.endpoint != h["ep"]
                 if not proven or moving:  # check it ourselves (ping_targets)
                     if pid in self.claims or len(self.claims) < self.max_peers:
@@ -185,7 +191,7 @@ class PeerTable:
                 if p is None or p.incarnation != inc or p.status != "alive":
                     return False
                 now = time.monotonic()
-                if p.answered is not None and now - p.answered <= self.dead_after:
+                if p.answered is not None and now - p.answered <= self.silence(p):
                     p.doubted = True  # proven alive: stays a partner until a ping says
                     return True
                 p.status, p.ready = "leaving", False
@@ -268,20 +274,28 @@ class PeerTable:
                 if now - when > self.dead_after:  # never proven: forget it
                     del self.claims[pid]
             for pid, p in list(self.peers.items()):
-                if (p.status == "leaving" or (p.status == "alive" and p.doubted)) and (
-                    p.last_heard is None or now - p.last_heard > self.dead_after
-                ):  # it said goodbye and stopped answering: it did leave
+                silent = p.last_heard is None or now - p.last_heard > self.silence(p)
+                if (p.status == "leaving" or (p.status == "alive" and p.doubted)) and silent:
+                    # it said goodbye and stopped answering: it did leave
                     p.status, p.ready = "left", False
                     self.tombstones[pid] = p.incarnation
-                if p.status == "alive" and (
-                    p.last_heard is None or now - p.last_heard > self.dead_after
-                ):
+                if p.status == "alive" and silent:
                     p.status, p.ready = "dead", False
                     newly.append(pid)
                 heard = p.last_heard if p.last_heard is not None else p.first_seen
                 if p.status != "alive" and now - heard > FORGET_AFTER_S:
                     del self.peers[pid]
         return newly
+
+    def silence(self, p: PeerState) -> float:
+        """How long p may be silent before it is dead: dead_after on a fast link; on a slow
+        or far one, as long as a ping may wait behind an exchange message each way on it,
+        plus a few round trips, both as measured (a 0.8 MB unit takes 3 s at 2 Mb/s: a 1 s
+        dead_after declared such a partner dead while it was sending)."""
+        wait = SILENT_RTTS * (p.rtt or 0.0)
+        if p.bw:
+            wait += 2 * self.message_bytes / p.bw
+        return max(self.dead_after, min(wait, MAX_DEAD_AFTER_S))
 
     # ------------------------------------------------------------ queries
     def get(self, pid: str) -> PeerState | None:

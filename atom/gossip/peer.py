@@ -134,7 +134,9 @@ class GossipPeer:
         self.ctx = zmq.Context()
         self.auth = None
         self.shaper = LinkShaper(gcfg.link_mbps, parse_rates(gcfg.link_mbps_to))
-        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers)
+        codec = get_codec(gcfg.codec, gcfg.topk_fraction)
+        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers,
+                               message_bytes=codec.wire_bytes(largest))  # fmt: skip
         self.join_refusal: tuple[str, Rejected] | None = None  # who refused us, and why
         self.merge = make_merge(gcfg.strategy, params, gcfg)
         guard = DiffGuard(gcfg.clip_factor, gcfg.reject_factor, gcfg.max_relative)
@@ -150,7 +152,7 @@ class GossipPeer:
             table=self.table,
             selector=self.selector,
             merge=self.merge,
-            codec=get_codec(gcfg.codec, gcfg.topk_fraction),
+            codec=codec,
             make_client=lambda: self._client(self.stop),
             counters=self.counters,
             weight=self.weight,
