@@ -624,3 +624,44 @@ def test_a_slow_link_is_not_a_dead_peer(group):
     made = a.counters.get("exchange.ok") + b.counters.get("exchange.ok")
     assert not deaths, deaths[:5]
     assert made >= 1
+
+
+def test_a_peer_nobody_can_reach_joins_as_a_client(group, caplog):
+    """Issue 29: c advertises an endpoint that refuses every connection (as a home router's
+    NAT does: c can dial out, nobody can dial in). The members' pings to it fail, so they
+    tell it so, stop choosing it and listing it, yet keep it alive on its own pings; c says
+    once that it is a client and mixes by starting every exchange itself."""
+    import socket
+
+    closed = socket.socket()  # bound, never listening: connections to it are refused
+    closed.bind(("127.0.0.1", 0))
+    try:
+        caplog.set_level(logging.INFO, logger="atom.gossip")
+        a = group("a", seed=1)
+        b = group("b", seed=2, join=a.endpoint)
+        c = group("c", seed=3, join=a.endpoint,
+                  advertise=f"tcp://127.0.0.1:{closed.getsockname()[1]}")  # fmt: skip
+        inits = torch.stack([initial_weights(s) for s in (1, 2, 3)])
+        start = float((inits - inits.mean(0)).pow(2).mean().sqrt())
+        wait_until(lambda: c.reach.mode == "client", 10, "c to be told it is a client")
+        wait_until(lambda: a.reach.mode == b.reach.mode == "member", 10, "a, b members")
+        seen = []
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            for m in (a, b):
+                row = m.table.get("c")
+                seen.append((row is not None and row.status == "alive",
+                             "c" in {p.id for p in m.table.candidates()},
+                             "c" in {r["id"] for r in m.table.listing()}))  # fmt: skip
+            time.sleep(0.05)
+        assert all(alive for alive, _, _ in seen), "a member declared the client dead"
+        assert not any(chosen or listed for _, chosen, listed in seen[20:])  # past 0.5 s
+        wait_until(lambda: distance([a, b, c]) < 1e-3 * start, 15, "the client to mix")
+        assert c.counters.get("exchange.ok") > 0
+        assert a.counters.get("served.ok") + b.counters.get("served.ok") > 0
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("[c] not reachable from the group" in line for line in lines) == 1
+        assert any("[a] reachable at" in line for line in lines)
+        assert a.status()["mode"] == "member" and c.status()["mode"] == "client"
+    finally:
+        closed.close()

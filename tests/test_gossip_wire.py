@@ -49,7 +49,14 @@ def header(**over):
     return h
 
 
+def _pong(**over):
+    base = {k: v for k, v in header().items() if k not in ("unit", "codec", "weight", "tensors",
+                                                           "delta")}  # fmt: skip
+    return dict(base, kind="pong", peers=[], links=[], **over)
+
+
 def test_valid_header_roundtrips():
+    assert parse_header(pack(_pong(reach=False)), EXPECT)["reach"] is False
     h = parse_header(pack(header()), EXPECT)
     assert h["from"] == "alice" and h["unit"] == 1 and h["tensors"] == [{"dtype": "f32", "n": 4}]
     check_frames(h, [bytes(16)])
@@ -75,6 +82,8 @@ def test_valid_header_roundtrips():
         (pack(header(group="open:other")), "group"),
         (pack(header(fp="0" * 24)), "fingerprint"),
         (pack(header(unit=5)), "schema"),
+        (pack(header(reach=True)), "schema"),  # only a pong says whether its pinger is reachable
+        (pack(_pong(reach="yes")), "schema"),
         (msgpack.packb(header(pad="x" * 70_000)), "oversized"),
         (msgpack.packb(msgpack.ExtType(1, b"x")), "garbage"),
     ],

@@ -48,6 +48,11 @@ EARLY_ROUND_S = 0.1  # ping rounds asked for early (check_soon) come no closer t
 # each direction, plus a few round trips (a lost packet costs TCP about one); at most this
 SILENT_RTTS = 4
 MAX_DEAD_AFTER_S = 120.0
+# reachability: a peer we hear from whose endpoint missed this many of our pings in a row
+# is unreachable (behind a NAT, a firewall): a client, never chosen, not listed; its
+# endpoint is pinged again after 2, 4, 8 ... heartbeats, at least once a minute
+UNREACHED_AFTER = 3
+REPROBE_MAX_S = 60.0
 
 
 def ewma(old: float | None, new: float, alpha: float = EWMA) -> float:
@@ -80,6 +85,15 @@ class PeerState:
     probed: bool = False
     next_ping: float = 0.0  # dead peers are pinged again from this time
     doubted: bool = False  # an unproven goodbye came in its name: the next ping decides
+    reached: float | None = None  # last pong from its endpoint to our own ping
+    misses: int = 0  # our pings to its endpoint unanswered in a row, while it is alive
+
+    @property
+    def reachable(self) -> bool | None:
+        """Can we reach its endpoint? None: not asked yet."""
+        if self.misses >= UNREACHED_AFTER:
+            return False
+        return True if self.reached is not None else None
 
 
 class PeerTable:
@@ -139,6 +153,8 @@ class PeerTable:
             if proven:
                 p.doubted = False
             self.claims.pop(pid, None)
+            if p.status != "alive" or p.endpoint != h["ep"]:
+                p.misses = 0  # back, or elsewhere: its endpoint is asked afresh
             p.endpoint, p.status, p.last_heard = h["ep"], "alive", now
             if proven:
                 p.answered = now
@@ -203,6 +219,21 @@ class PeerTable:
                 while len(self.tombstones) > 4 * self.max_peers:
                     del self.tombstones[next(iter(self.tombstones))]
             return False
+
+    def pinged(self, pid: str, answered: bool, heartbeat_s: float) -> None:
+        """Our own ping to pid's endpoint was answered from there, or not."""
+        now = time.monotonic()
+        with self.lock:
+            p = self.peers.get(pid)
+            if p is None:
+                return
+            if answered:
+                p.reached, p.misses = now, 0
+            elif p.status == "alive":  # a dead peer's silence is the sweep's business
+                p.misses += 1
+                if p.misses >= UNREACHED_AFTER:
+                    backoff = heartbeat_s * 2 ** (p.misses - UNREACHED_AFTER + 1)
+                    p.next_ping = now + min(REPROBE_MAX_S, backoff)
 
     def rtt_sample(self, pid: str, seconds: float) -> None:
         with self.lock:
@@ -280,7 +311,7 @@ class PeerTable:
                     p.status, p.ready = "left", False
                     self.tombstones[pid] = p.incarnation
                 if p.status == "alive" and silent:
-                    p.status, p.ready = "dead", False
+                    p.status, p.ready, p.misses = "dead", False, 0
                     newly.append(pid)
                 heard = p.last_heard if p.last_heard is not None else p.first_seen
                 if p.status != "alive" and now - heard > FORGET_AFTER_S:
@@ -315,6 +346,7 @@ class PeerTable:
                 for p in self.peers.values()
                 if p.status == "alive"
                 and p.ready
+                and p.reachable is not False  # a client starts its exchanges itself
                 and now >= p.backoff_until
                 and now >= self.penalties.get(p.id, 0.0)
             ]
@@ -325,7 +357,10 @@ class PeerTable:
         with self.lock:
             out = []
             for p in self.peers.values():
-                if p.status in ("alive", "leaving"):
+                if p.status == "alive" and p.reachable is False:
+                    if now >= p.next_ping:  # asked again now and then (pinged sets when)
+                        out.append(p)
+                elif p.status in ("alive", "leaving"):
                     out.append(p)
                 elif p.status == "dead" and now >= p.next_ping:
                     p.next_ping = now + retry_dead_every
@@ -349,7 +384,7 @@ class PeerTable:
                     "ready": p.ready,
                 }
                 for p in self.peers.values()
-                if p.status == "alive"
+                if p.status == "alive" and p.reachable is not False  # nobody can dial a client
             ][: MAX_LISTED - 1]
 
     def links(self) -> list[list]:
@@ -375,6 +410,7 @@ class PeerTable:
                     "last_exchange_s": None if p.last_exchange is None else now - p.last_exchange,
                     "exchanges": p.exchanges,
                     "apart": p.apart,
+                    "reachable": p.reachable,
                     "failures": p.failures,
                     "penalised": now < self.penalties.get(p.id, 0.0),
                 }
@@ -404,8 +440,11 @@ class Membership:
         heartbeat_s: float,
         probe_bytes: int,
         on_tick: Callable[[], None],
+        on_verdict: Callable[[str, bool], None] | None = None,
     ):
         self.table, self.client, self.header = table, client, ctx.header
+        # a member's word on whether it reached our endpoint (a pong's `reach`)
+        self.on_verdict = on_verdict or (lambda member, reachable: None)
         self.seeds = list(seeds)
         self.heartbeat_s = heartbeat_s
         self.probe_bytes = probe_bytes
@@ -434,12 +473,18 @@ class Membership:
         replies = self.client.request_many(items, timeout or max(0.5, self.heartbeat_s))
         answered = []
         for ep, reply in replies.items():
+            addressed = by_endpoint.get(ep)  # None: a seed whose owner we do not know yet
             if reply is None:
+                if addressed is not None:
+                    self.table.pinged(addressed, False, self.heartbeat_s)
                 continue
             h = reply.header
-            addressed = by_endpoint.get(ep)  # None: a seed whose owner we do not know yet
             if addressed is not None and h["from"] != addressed:
                 continue  # someone else answers there: proves nothing about either
+            if addressed is not None:
+                self.table.pinged(addressed, True, self.heartbeat_s)  # its endpoint answers
+            if "reach" in h:
+                self.on_verdict(h["from"], h["reach"])
             proof = self.proven or h["ep"] == ep  # it answered from where it says it is
             if h["kind"] == "nack" and h.get("reason") == "leaving":
                 known = self.table.get(h["from"])

@@ -42,6 +42,7 @@ from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Incoming, Reply, Server
 from atom.gossip.net.wire import PROTOCOL, Expect, Rejected
 from atom.gossip.pairref import PairRefs
+from atom.gossip.reach import Reachability
 from atom.gossip.robust import DiffGuard
 from atom.gossip.selection import make_selector
 from atom.gossip.status import PeerLog, write_status
@@ -171,8 +172,10 @@ class GossipPeer:
             heartbeat_s=gcfg.heartbeat_s,
             probe_bytes=min(gcfg.probe_kb * 1024, self.max_bytes // 2),
             on_tick=self.write_status,
+            on_verdict=lambda member, ok: self.reach.verdict(member, ok),
         )
         self.membership.proven = self.keys is not None
+        self.reach = Reachability(self.log)  # member or client: what the members say
         self.server: Server | None = None
         self.endpoint = ""
         self.closed = False
@@ -233,6 +236,13 @@ class GossipPeer:
         if kind == "pong":
             h["peers"] = self.table.listing()
             h["links"] = self.table.links()
+            # did our own pings get through to it? Once is enough: a busy moment later
+            # (pings lost under load) must not tell a reachable peer it is a client
+            pinger = self.table.get(incoming.header["from"])
+            if pinger is not None and pinger.reached is not None:
+                h["reach"] = True
+            elif pinger is not None and pinger.reachable is False:
+                h["reach"] = False
         return h, []
 
     def _heavy(self, incoming: Incoming) -> Reply | None:
@@ -304,7 +314,7 @@ class GossipPeer:
             ),
         )
         bound = self.server.start()
-        self.endpoint = self.cfg.advertise or advertised(bound)
+        self.endpoint = self.reach.endpoint = self.cfg.advertise or advertised(bound)
         if self.keys is None and not is_loopback(bound):
             self.log.warning(
                 "listening on %s WITHOUT a group key (--insecure): anyone who can reach this "
@@ -455,6 +465,7 @@ class GossipPeer:
             "endpoint": self.endpoint,
             "group": self.group,
             "state": state,
+            "mode": self.reach.mode,
             "ready": self.averager.ready.is_set(),
             "step": self.step,
             "samples": self.samples,

@@ -55,6 +55,13 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+_MODE = {
+    "member": "reachable (a member)",
+    "client": "not reachable: a client (it starts every exchange)",
+    "unknown": "reachability not known yet",
+}
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The table `atom peers` prints."""
     age = time.time() - status.get("time", time.time())
@@ -73,7 +80,8 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [
         f"peer {status['id']} at {status['endpoint']} (group {status['group']}), "
         f"step {status['step']}, {status['strategy']}/{status['selection']}/{status['codec']}; "
-        f"{status.get('state', 'running')}, status written {age:.0f}s ago",
+        f"{status.get('state', 'running')}, {_MODE.get(status.get('mode'), 'mode unknown')}, "
+        f"status written {age:.0f}s ago",
         f"exchanges {int(c.get('exchange.ok', 0))} ok, {int(c.get('exchange.failed', 0))} "
         f"failed, {int(c.get('served.ok', 0))} served; rejected {int(rejected)}; "
         f"auth denied {int(c.get('auth.denied', 0) + c.get('auth.handshake_failed', 0))}",
@@ -87,8 +95,9 @@ def format_status(status: dict[str, Any]) -> str:
         last = f"{p['last_exchange_s']:.1f}s ago" if p.get("last_exchange_s") is not None else "-"
         # how far apart the two models were at the last exchange: |theirs - ours|^2 / |ours|^2
         apart = f"{p['apart']:.1e}" if p.get("apart") is not None else "-"
+        shown = "client" if p["status"] == "alive" and p.get("reachable") is False else p["status"]
         lines.append(
-            f"{p['id'][:20]:<20} {p['status']:<8} {p['step']:>8} {_fmt_bw(p.get('bw')):>12} "
+            f"{p['id'][:20]:<20} {shown:<8} {p['step']:>8} {_fmt_bw(p.get('bw')):>12} "
             f"{rtt:>9} {last:>10} {p['exchanges']:>6} {p['failures']:>5} {apart:>7}"
         )
     if not status.get("peers"):

@@ -22,7 +22,8 @@ Per kind: unit, codec, weight, delta, served, tensors, peers, links, load, reaso
 pull may ask for a `part` (weights, or DiLoCo's outer weights or momentum, with the
 unit's `outer_step`); an exchange names its `payload` when it is not the weights
 (NoLoCo's outer weights and pseudo-gradient, one tensor of twice the unit's size); a
-top-k exchange names the `ref` (tag) of the pair's shared reference it is relative to.
+top-k exchange names the `ref` (tag) of the pair's shared reference it is relative to; a
+pong may say whether the answering member could `reach` the pinger's own endpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import msgpack
 
 from atom.config.gossip import CODECS, check_endpoint
 
-PROTOCOL = 2  # 2: `to`, rids unique per sender
+PROTOCOL = 3  # 2: `to`, rids unique per sender; 3: a pong may say `reach`
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 8  # header + tensors; no codec needs more than 2 tensor frames
 MAX_LISTED = 256  # peers / links in one heartbeat
@@ -48,7 +49,7 @@ _INT_MAX = 2**62
 
 KINDS = {
     "ping": {"peers", "links", "load", "served"},
-    "pong": {"peers", "links", "load", "served"},
+    "pong": {"peers", "links", "load", "served", "reach"},
     "bye": set(),
     "probe": {"tensors"},
     "ack": set(),
@@ -61,7 +62,7 @@ KINDS = {
 }
 COMMON = {"v", "kind", "group", "fp", "from", "to", "inc", "ep", "rid", "step", "samples", "ready"}
 # every other field of a kind is required
-OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step", "payload", "ref"}
+OPTIONAL = {"delta", "served", "load", "reason", "part", "outer_step", "payload", "ref", "reach"}
 PARTS = ("weights", "outer", "momentum")  # what a state pull asks for (DiLoCo: all three)
 # what an exchange carries: the weights, or NoLoCo's [outer weights; pseudo-gradient]
 PAYLOADS = ("weights", "outer")
@@ -205,6 +206,7 @@ _CHECKS = {
     "step": lambda v: _int(v, "step"),
     "samples": lambda v: _int(v, "samples"),
     "ready": lambda v: _bool(v, "ready"),
+    "reach": lambda v: _bool(v, "reach"),  # a pong: could we reach the pinger's endpoint?
     "unit": lambda v: _int(v, "unit", 0, 1 << 20),
     "codec": lambda v: v if v in CODECS else _fail("codec", f"unknown codec {str(v)[:20]!r}"),
     "weight": lambda v: _float(v, "weight", 1e-12, 1e18),
