@@ -395,23 +395,29 @@ class Trainer:
 
     def run(self, max_steps: int | None = None) -> RunSummary:
         tc = self.cfg.train
-        step_s = self.estimated_step_s()
-        if step_s > LONG_STEP_WARN_S:
-            log.warning(
-                "each step will take about %.0f min here (%s, %.0f tokens a step): progress "
-                "shows once a step ends; Ctrl+C stops within seconds between units",
-                step_s / 60,
-                self.engine.device,
-                tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len,
-            )
         end = min(max_steps if max_steps is not None else tc.max_steps, tc.max_steps)
         summary = RunSummary(steps=self.start_step)
-        self.run_log = self._needing_files(
-            "opening metrics.jsonl",
-            lambda: RunLog(
-                self.out, self.start_step, end, self.progress, self.loggers, tc.log_interval
-            ),
-        )
+        try:
+            step_s = self.estimated_step_s()
+            if step_s > LONG_STEP_WARN_S:
+                log.warning(
+                    "each step will take about %.0f min here (%s, %.0f tokens a step): "
+                    "progress shows once a step ends; Ctrl+C stops within seconds between units",
+                    step_s / 60,
+                    self.engine.device,
+                    tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len,
+                )
+            self.run_log = self._needing_files(
+                "opening metrics.jsonl",
+                lambda: RunLog(
+                    self.out, self.start_step, end, self.progress, self.loggers, tc.log_interval
+                ),
+            )
+        except BaseException:
+            # Ctrl+C (or SIGTERM) before the loop: the same shutdown. Left to atexit, the
+            # peers' server threads once ran into pyzmq's own exit (a traceback in the log)
+            self.close()
+            raise
         rates: list[float] = []
         with Interrupts() as interrupts:
             try:

@@ -300,3 +300,21 @@ def test_a_setup_that_fails_releases_what_it_built(tmp_path, text_dataset, monke
     with pytest.raises(GossipError, match="no group member answered"):
         Trainer(cfg, tmp_path / "run")
     assert closed == [1]
+
+
+def test_ctrl_c_before_the_first_step_releases_everything(tmp_path, text_dataset, monkeypatch):
+    """A SIGTERM a second after joining (the soak's term_restart) arrived while run() set
+    up its metrics file: nothing closed the peers until atexit, where their server threads
+    met pyzmq's own shutdown ("zmq gc socket requested during shutdown", a traceback)."""
+    cfg = tiny_config(train={"data": str(text_dataset)})
+    trainer = Trainer(cfg, tmp_path / "run")
+    closed, close = [], trainer.close
+    monkeypatch.setattr(trainer, "close", lambda: (closed.append(1), close()))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("atom.train.RunLog", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert closed

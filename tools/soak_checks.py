@@ -29,7 +29,10 @@ WARM_S = 60.0  # a process's start (joining, first allocations) is not a leak
 MIN_LIFE_S = 60.0  # after warm-up: shorter lives say nothing about leaks
 HEAL_S = 30.0  # a partition healed: both halves exchange again within this
 CLOSE_FACTOR = 2.0  # ... and are as close as before (max pairwise distance) within
-CONSENSUS_STEPS = 200  # this many steps of each peer (plain averaging: one outer step each)
+# ... within this many steps of each peer (plain averaging: each step an outer step); about
+# 35 s at the soak's ~14 steps/s. Set after the first hour-long run measured it: 200 was
+# a guess, and one of 5 partitions (50 s apart, 10 peers on 2 cores) took 281 steps
+CONSENSUS_STEPS = 500
 COPIED = re.compile(r"copied parameters at step (\d+)")
 WATCHED = ("guard.recycled", "rejected.")  # counters that must not move between honest peers
 
