@@ -66,7 +66,7 @@ def outer_state_bytes(cfg: Config, n_params: int) -> int:
     partner (atom/gossip/pairref.py; noloco's payload is twice the weights)."""
     from atom.gossip.merge import OUTER_DEFAULTS
 
-    if cfg.gossip.listen is None:
+    if not cfg.gossip.enabled:
         return 0
     g = cfg.gossip
     outer = 8 * n_params if g.strategy in OUTER_DEFAULTS else 0

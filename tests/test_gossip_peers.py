@@ -626,11 +626,13 @@ def test_a_slow_link_is_not_a_dead_peer(group):
     assert made >= 1
 
 
-def test_a_peer_nobody_can_reach_joins_as_a_client(group, caplog):
+@pytest.mark.parametrize("how", ["unreachable", "no_listen"])
+def test_a_peer_nobody_can_reach_joins_as_a_client(group, caplog, how):
     """Issue 29: c advertises an endpoint that refuses every connection (as a home router's
-    NAT does: c can dial out, nobody can dial in). The members' pings to it fail, so they
-    tell it so, stop choosing it and listing it, yet keep it alive on its own pings; c says
-    once that it is a client and mixes by starting every exchange itself."""
+    NAT does: c can dial out, nobody can dial in), or listens nowhere (no --listen). The
+    members' pings to it fail (or there is nothing to ping), so they tell it so, stop
+    choosing it and listing it, yet keep it alive on its own pings; c says once that it is
+    a client and mixes by starting every exchange itself."""
     import socket
 
     closed = socket.socket()  # bound, never listening: connections to it are refused
@@ -639,8 +641,9 @@ def test_a_peer_nobody_can_reach_joins_as_a_client(group, caplog):
         caplog.set_level(logging.INFO, logger="atom.gossip")
         a = group("a", seed=1)
         b = group("b", seed=2, join=a.endpoint)
-        c = group("c", seed=3, join=a.endpoint,
-                  advertise=f"tcp://127.0.0.1:{closed.getsockname()[1]}")  # fmt: skip
+        where = ({"advertise": f"tcp://127.0.0.1:{closed.getsockname()[1]}"}
+                 if how == "unreachable" else {"listen": None})  # fmt: skip
+        c = group("c", seed=3, join=a.endpoint, **where)
         inits = torch.stack([initial_weights(s) for s in (1, 2, 3)])
         start = float((inits - inits.mean(0)).pow(2).mean().sqrt())
         wait_until(lambda: c.reach.mode == "client", 10, "c to be told it is a client")
@@ -660,7 +663,8 @@ def test_a_peer_nobody_can_reach_joins_as_a_client(group, caplog):
         assert c.counters.get("exchange.ok") > 0
         assert a.counters.get("served.ok") + b.counters.get("served.ok") > 0
         lines = [r.getMessage() for r in caplog.records]
-        assert sum("[c] not reachable from the group" in line for line in lines) == 1
+        said = "[c] not reachable from the group" if how == "unreachable" else "[c] no --listen"
+        assert sum(said in line for line in lines) == 1
         assert any("[a] reachable at" in line for line in lines)
         assert a.status()["mode"] == "member" and c.status()["mode"] == "client"
     finally:

@@ -430,8 +430,8 @@ def test_config_refuses_open_non_loopback_listen():
     for bad in ["gossip.listen=http://x:1", "gossip.codec=zip", "gossip.strategy=allreduce"]:
         with pytest.raises(ConfigError):
             load_config(None, [bad])
-    with pytest.raises(ConfigError, match="needs gossip.listen"):
-        load_config(None, ["gossip.join=tcp://127.0.0.1:1"])
+    client = load_config(None, ["gossip.join=tcp://127.0.0.1:1"]).gossip  # no listen
+    assert client.enabled and client.client and not cfg.gossip.client
     assert is_loopback("tcp://127.0.0.1:1") and is_loopback("ipc:///tmp/x")
     assert not is_loopback("tcp://192.168.1.2:5555")
     assert parse_rates("a=20, tcp://127.0.0.1:5=1000") == {"a": 20.0, "tcp://127.0.0.1:5": 1000.0}

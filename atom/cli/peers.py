@@ -31,7 +31,8 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
         default=[],
         metavar="tcp://HOST:PORT",
         help="any member of the group; its parameters and step are copied before the first "
-        "step (repeatable)",
+        "step (repeatable); without --listen this peer is a client: it starts every "
+        "exchange itself (behind a NAT: see README, Over the internet)",
     )
     g.add_argument(
         "--group-key",
@@ -50,9 +51,7 @@ def train_overrides(args: argparse.Namespace) -> list[str]:
     out = []
     if args.listen:
         out.append(f"gossip.listen={args.listen}")
-    if args.join:
-        if not args.listen:
-            raise ConfigError("--join needs --listen tcp://HOST:PORT (peers must be reachable)")
+    if args.join:  # without --listen: a client (nobody can dial it; it dials the members)
         out.append(f"gossip.join={','.join(args.join)}")
     if args.group_key:
         out.append(f"gossip.group_key={args.group_key}")

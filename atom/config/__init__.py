@@ -237,7 +237,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
-    gossip: GossipConfig = field(default_factory=GossipConfig)  # peers; on with gossip.listen
+    gossip: GossipConfig = field(default_factory=GossipConfig)  # peers: listen and/or join
 
     def n_units(self) -> int:
         """Embedding unit + block units + head unit."""
@@ -261,7 +261,7 @@ class Config:
                 f"swap.prefetch ({self.swap.prefetch}) is larger than the number of units "
                 f"after the first ({self.n_units() - 1}); lower it"
             )
-        if self.swap.disk_dir is not None and self.gossip.listen is not None:
+        if self.swap.disk_dir is not None and self.gossip.enabled:
             raise ValueError(
                 "swap.disk_dir (the NVMe tier) does not train with peers yet; drop "
                 "--listen/--join or swap.disk_dir"

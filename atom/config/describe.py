@@ -86,7 +86,8 @@ DESCRIPTIONS: dict[str, str] = {
     "around each unit's update; null: in RAM",
     "swap.disk_slots": "NVMe tier: units' state held in RAM at once",
     # ------------------------------------------------------------------ gossip
-    "gossip.listen": "tcp://HOST:PORT to listen on (`--listen`); null: train alone",
+    "gossip.listen": "tcp://HOST:PORT to listen on (`--listen`); null: train alone, or with "
+    "gossip.join a client that starts every exchange itself",
     "gossip.join": "comma-separated endpoints of any group members (`--join`)",
     "gossip.group_key": "this peer's key bundle from `atom keygen` (`--group-key`)",
     "gossip.insecure": "allow listening on a non-loopback address without a group key",

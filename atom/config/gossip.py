@@ -68,7 +68,7 @@ def parse_rates(spec: str) -> dict[str, float]:
 
 @dataclass
 class GossipConfig:
-    listen: str | None = None  # tcp://HOST:PORT to bind; None = train alone
+    listen: str | None = None  # tcp://HOST:PORT to bind; None = alone, or a client with join
     join: str = ""  # comma-separated endpoints of any group members
     group_key: str | None = None  # a bundle directory made by `atom keygen`
     insecure: bool = False  # allow a non-loopback listen address without a group key
@@ -130,8 +130,6 @@ class GossipConfig:
             check_endpoint(seed, "gossip.join")
         if self.advertise:
             check_endpoint(self.advertise, "gossip.advertise")
-        if self.join and self.listen is None:
-            raise ValueError("gossip.join needs gossip.listen (--listen tcp://HOST:PORT) too")
         check_choices(self, "gossip")
         if not 0 < self.topk_fraction <= 0.2:  # above, 5 bytes an entry outweigh int8's 1
             raise ValueError(f"gossip.topk_fraction must be in (0, 0.2], got "
@@ -184,7 +182,13 @@ class GossipConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.listen is not None
+        """Gossip is on with a listen address, or with only a member to join: a client,
+        which nobody can dial, starts every exchange itself (atom/gossip/reach.py)."""
+        return self.listen is not None or bool(self.seeds)
+
+    @property
+    def client(self) -> bool:
+        return self.listen is None and bool(self.seeds)
 
     @property
     def seeds(self) -> list[str]:

@@ -91,7 +91,7 @@ class PeerState:
     @property
     def reachable(self) -> bool | None:
         """Can we reach its endpoint? None: not asked yet."""
-        if self.misses >= UNREACHED_AFTER:
+        if self.misses >= UNREACHED_AFTER or not self.endpoint:  # "": it listens nowhere
             return False
         return True if self.reached is not None else None
 
@@ -357,6 +357,8 @@ class PeerTable:
         with self.lock:
             out = []
             for p in self.peers.values():
+                if not p.endpoint:
+                    continue  # a client with no address: it pings us
                 if p.status == "alive" and p.reachable is False:
                     if now >= p.next_ping:  # asked again now and then (pinged sets when)
                         out.append(p)
@@ -370,7 +372,7 @@ class PeerTable:
     def unproven(self) -> list[tuple[str, str]]:
         """(id, endpoint) of claims to check with a ping of our own."""
         with self.lock:
-            return [(pid, ep) for pid, (ep, _, _) in self.claims.items()]
+            return [(pid, ep) for pid, (ep, _, _) in self.claims.items() if ep]
 
     def listing(self) -> list[dict[str, Any]]:
         """Alive peers, for our heartbeats (first-hand knowledge only)."""
@@ -516,7 +518,7 @@ class Membership:
     def tick(self) -> None:
         self.ping_round()
         for p in self.table.alive():
-            if not p.probed and not self.stop.is_set():
+            if not p.probed and p.endpoint and not self.stop.is_set():
                 self.probe(p)
                 break  # one probe per heartbeat keeps a tick short
         for pid in self.table.sweep():
@@ -551,7 +553,7 @@ class Membership:
 
     def goodbye(self, client: Client, timeout: float = 1.0) -> set[str]:
         """Tell every alive peer we are leaving; returns the ids that acknowledged."""
-        alive = self.table.alive()
+        alive = [p for p in self.table.alive() if p.endpoint]
         items = [
             (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid(), p.id), [])
             for p in alive

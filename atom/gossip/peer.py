@@ -99,7 +99,7 @@ class GossipPeer:
         samples_per_step: int = 1,
     ):
         if not gcfg.enabled:
-            raise ConfigError("gossip needs gossip.listen (--listen tcp://HOST:PORT)")
+            raise ConfigError("gossip needs --listen tcp://HOST:PORT, or --join to be a client")
         self.cfg = gcfg
         self.params = params
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -286,7 +286,18 @@ class GossipPeer:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> str:
-        """Authenticator and server up; returns the endpoint other peers dial."""
+        """Authenticator and server up; returns the endpoint other peers dial ("" for a
+        client: no --listen, nothing to dial; it starts every exchange itself)."""
+        if self.cfg.listen is None:
+            self.reach.mode = "client"
+            self.log.info(
+                "no --listen: joining as a client (group %s, %s, %s codec): you exchange "
+                "with reachable members, they cannot start exchanges with you; add --listen "
+                "tcp://0.0.0.0:PORT (and a forwarded port if others cannot reach you) to be "
+                "a full member", self.group, self.cfg.strategy, self.cfg.codec,
+            )  # fmt: skip
+            self.write_status()
+            return self.endpoint
         if self.keys is not None:
             self.auth = start_authenticator(self.ctx, self.keys, self._on_denied)
         self.server = Server(
@@ -437,7 +448,7 @@ class GossipPeer:
         self.averager.close_clients()
         self._heartbeat_client.close()
         said: set[str] = set()
-        if goodbye and self.server is not None:
+        if goodbye:
             # a client of its own: the others were told to stop waiting
             bye = self._client(threading.Event())
             try:
@@ -446,7 +457,8 @@ class GossipPeer:
                 self.log.exception("goodbye failed")
             finally:
                 bye.close()
-            if self.keys is None:  # an open group checks a goodbye with a ping: answer it
+            # an open group checks a goodbye with a ping: answer it (a client cannot)
+            if self.keys is None and self.server is not None:
                 deadline = time.monotonic() + LINGER_S
                 while not said <= self._checked_leaving and time.monotonic() < deadline:
                     time.sleep(0.01)

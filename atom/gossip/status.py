@@ -78,7 +78,7 @@ def format_status(status: dict[str, Any]) -> str:
             f"{_fmt_bytes(model)})"
         )
     lines = [
-        f"peer {status['id']} at {status['endpoint']} (group {status['group']}), "
+        f"peer {status['id']} at {status['endpoint'] or '(no address)'} (group {status['group']}), "
         f"step {status['step']}, {status['strategy']}/{status['selection']}/{status['codec']}; "
         f"{status.get('state', 'running')}, {_MODE.get(status.get('mode'), 'mode unknown')}, "
         f"status written {age:.0f}s ago",

@@ -201,7 +201,7 @@ _CHECKS = {
     "from": lambda v: _peer_id(v, "from"),
     "to": lambda v: "" if v == "" else _peer_id(v, "to"),
     "inc": lambda v: _int(v, "inc", 0, 2**63),
-    "ep": lambda v: _endpoint(v, "ep"),
+    "ep": lambda v: "" if v == "" else _endpoint(v, "ep"),  # "": a client, listening nowhere
     "rid": lambda v: _int(v, "rid", 0, 2**63),
     "step": lambda v: _int(v, "step"),
     "samples": lambda v: _int(v, "samples"),
