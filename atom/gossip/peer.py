@@ -385,14 +385,18 @@ class GossipPeer:
         """gossip.wait_peers: start together (a group of friends, a fair experiment)."""
         want = self.cfg.wait_peers
         deadline = time.monotonic() + self.cfg.join_timeout_s
-        while len(self._ready_sources()) < want and time.monotonic() < deadline:
+        def ready() -> int:  # clients count: they train with the group
+            return sum(p.ready for p in self.table.alive())
+
+        while ready() < want and time.monotonic() < deadline:
             self.stop.wait(0.1)
-        have = len(self._ready_sources())
+        have = ready()
         if have < want:
             self.log.warning("only %d of %d peers arrived in time; training anyway", have, want)
 
     def _ready_sources(self) -> list[PeerState]:
-        ready = [p for p in self.table.alive() if p.ready]
+        """Ready members we can dial (a client holds the weights too, but nobody can ask)."""
+        ready = [p for p in self.table.alive() if p.ready and p.reachable is not False]
         return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
 
     def listener_closed(self) -> contextlib.AbstractContextManager:
