@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="atom-clients-"))
     out.mkdir(parents=True, exist_ok=True)
+    (out / "data").mkdir(exist_ok=True)
     shards, union = gu.make_shards(out / "data", n_lines=600)
     from atom.gossip.net.keys import keygen
 
