@@ -609,9 +609,10 @@ def test_a_slow_link_is_not_a_dead_peer(group):
     """On a 2 Mb/s link a unit's exchange (~0.8 MB each way) takes seconds, and a ping sent
     meanwhile waits behind it: with dead_after 1 s the partner was declared dead while it
     was sending (issue 29: false deaths over the internet). Silence is judged against the
-    time the link needs for a message, and the exchange's timeout against its measured
-    speed; a fast link keeps the floors (test_goodbye_crash_and_restart)."""
-    slow = {"link_mbps": 2.0, "interval_s": 0.5, "probe_kb": 64}
+    time the link needs for what may be queued ahead of a ping (every lane's request and
+    reply), and the exchange's timeout against its measured speed; a fast link keeps the
+    floors (test_goodbye_crash_and_restart)."""
+    slow = {"link_mbps": 2.0, "interval_s": 0.5}
     a = group("a", seed=1, model={"d_model": 128}, **slow)
     b = group("b", seed=2, join=a.endpoint, model={"d_model": 128}, **slow)
     deaths, deadline = [], time.monotonic() + 12.0

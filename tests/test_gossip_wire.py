@@ -362,8 +362,9 @@ def test_random_selection_is_uniform():
 
 def test_silence_allowed_follows_the_link():
     """dead_after is the floor (a LAN notices a crash as fast as before); a slow or far
-    link allows a message each way at its measured speed and 4 round trips, capped."""
-    t = PeerTable("me", dead_after=1.5, penalty_s=10, message_bytes=1_400_000)
+    link allows what may be queued ahead of a ping at its measured speed and 4 round
+    trips, capped."""
+    t = PeerTable("me", dead_after=1.5, penalty_s=10, queued_bytes=2_800_000)
     lan = PeerState("lan", "tcp://10.0.0.2:1", 1, rtt=0.0005, bw=100e6)
     assert t.silence(lan) == 1.5
     unmeasured = PeerState("new", "tcp://10.0.0.3:1", 1)

@@ -108,7 +108,8 @@ DESCRIPTIONS: dict[str, str] = {
     "speed and 4 round trips",
     "gossip.heartbeat_s": "seconds between pings of every known peer",
     "gossip.dead_after_s": "seconds without word before a peer counts as dead (retried later); "
-    "a slow link gets longer: a message each way at its measured speed and 4 round trips",
+    "a slow link gets longer: what may queue ahead of a ping (each lane's request and reply) "
+    "at its measured speed, and 4 round trips",
     "gossip.join_timeout_s": "give up joining (exit 2) when no member answers within this",
     "gossip.pull_state": "on joining, copy the group's weights and step from a member first",
     "gossip.wait_peers": "before the first step, wait (up to join_timeout_s) for this many others",

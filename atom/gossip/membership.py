@@ -101,10 +101,12 @@ class PeerTable:
     threads and the heartbeat thread)."""
 
     def __init__(self, me: str, dead_after: float, penalty_s: float, max_peers: int = 256,
-                 message_bytes: int = 0):  # fmt: skip
+                 queued_bytes: int = 0):  # fmt: skip
         self.me = me
         self.dead_after = dead_after  # the floor: what a fast link gets
-        self.message_bytes = message_bytes  # the largest exchange message, one way
+        # the most a ping may wait behind on one link, one way: every lane's request and
+        # every reply to the other side's lanes, each the largest exchange message
+        self.queued_bytes = queued_bytes
         self.penalty_s = penalty_s
         # Bounded: 15,000 fake ids made every heartbeat list them all and steps 4x slower.
         # Full, the least recently heard dead (or gone) entry makes room; a peer heard
@@ -320,12 +322,12 @@ class PeerTable:
 
     def silence(self, p: PeerState) -> float:
         """How long p may be silent before it is dead: dead_after on a fast link; on a slow
-        or far one, as long as a ping may wait behind an exchange message each way on it,
+        or far one, as long as a ping may wait behind the exchange messages queued on it,
         plus a few round trips, both as measured (a 0.8 MB unit takes 3 s at 2 Mb/s: a 1 s
         dead_after declared such a partner dead while it was sending)."""
         wait = SILENT_RTTS * (p.rtt or 0.0)
         if p.bw:
-            wait += 2 * self.message_bytes / p.bw
+            wait += self.queued_bytes / p.bw
         return max(self.dead_after, min(wait, MAX_DEAD_AFTER_S))
 
     # ------------------------------------------------------------ queries

@@ -137,7 +137,7 @@ class GossipPeer:
         self.shaper = LinkShaper(gcfg.link_mbps, parse_rates(gcfg.link_mbps_to))
         codec = get_codec(gcfg.codec, gcfg.topk_fraction)
         self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers,
-                               message_bytes=codec.wire_bytes(largest))  # fmt: skip
+                               queued_bytes=2 * max(gcfg.lanes, 1) * codec.wire_bytes(largest))
         self.join_refusal: tuple[str, Rejected] | None = None  # who refused us, and why
         self.merge = make_merge(gcfg.strategy, params, gcfg)
         guard = DiffGuard(gcfg.clip_factor, gcfg.reject_factor, gcfg.max_relative)
