@@ -15,7 +15,16 @@ the reverse direction is capped on j's side: a full mesh of independent point-to
 links, i.e. a link matrix. A rate of 0 leaves the link unshaped (it falls into the default
 class, as ARP does). Each class feeds a bfifo sized to 200 ms of traffic (at least
 128 KiB): a consumer link's buffer. netem and fq_codel are not available on the machine
-this was built on, so no latency is added; links are pure rate limits.
+this was built on: a node in ``wired`` is joined to the bridge through tools/netwire, a
+user-space relay that delays (``delay_ms`` one way, each direction) and drops (``loss``
+percent) its frames; ``set_wire`` changes both while traffic flows. The other links are
+pure rate limits.
+
+NAT: a node in ``nat`` sits behind a router namespace of its own (its address
+``10.214.i.2``, the router's ``10.213.0.(i+1)`` on the bridge) that masquerades its traffic
+with nftables and forwards no port: it can connect out, nobody can connect in, as behind a
+home router. ``ip(i)`` is the address the others see, ``local_ip(i)`` the one a program in
+the node binds.
 
 Teardown is idempotent and always runs: on leaving the ``with`` block (also by an
 exception or Ctrl+C), on SIGTERM/SIGHUP (turned into SystemExit while a NetShape is
@@ -32,6 +41,7 @@ import argparse
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,12 +49,14 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 PREFIX = "atomnet"
 IFACE = "eth0"
 DEFAULT_SUBNET = "10.213.0"
+NAT_SUBNET = "10.214"  # node i behind NAT: 10.214.i.2, its router 10.214.i.1
 BUFFER_S = 0.2  # queue per shaped link, in seconds of traffic
 MIN_BUFFER = 128 * 1024
 UNSHAPED = "10gbit"  # the default class: ARP and unshaped links
@@ -80,6 +92,22 @@ def available() -> str | None:
     finally:
         _run(["ip", "netns", "del", probe], check=False)
     return None
+
+
+def nat_available() -> str | None:
+    """None if nodes can be put behind NAT (nft masquerade in a namespace), else why not."""
+    reason = available()
+    if reason is None and not shutil.which("nft"):
+        reason = "nft is not installed (apt-get install nftables)"
+    return reason
+
+
+def wire_available() -> str | None:
+    """None if links can carry delay and loss (tools/netwire on TAP devices), else why not."""
+    reason = available()
+    if reason is None and not os.path.exists("/dev/net/tun"):
+        reason = "/dev/net/tun is missing (no TAP devices)"
+    return reason
 
 
 def list_namespaces() -> list[str]:
@@ -180,15 +208,29 @@ class NetShape:
         subnet: str = DEFAULT_SUBNET,
         tag: str | None = None,
         buffer_s: float = BUFFER_S,
+        nat: Sequence[int] = (),
+        wired: Sequence[int] = (),
+        delay_ms: float = 0.0,
+        loss: float = 0.0,
     ):
         self.n = n
         self.rates = rate_matrix(n, mbps)
+        for i in (*nat, *wired):
+            if not 0 <= i < n:
+                raise ValueError(f"node {i} does not exist (nodes 0..{n - 1})")
+        self.nat = frozenset(nat)
+        self.wired = frozenset(wired)
+        self.wire_settings = (float(delay_ms), float(loss))
         self.subnet = subnet
         self.buffer_s = buffer_s
         tag = tag or uuid.uuid4().hex[:6]
         base = f"{PREFIX}-{os.getpid()}-{tag}"
         self.hub = f"{base}-hub"
         self.nodes = [f"{base}-{i}" for i in range(n)]
+        self.routers = {i: f"{base}-r{i}" for i in sorted(self.nat)}
+        self.wires = {i: f"{base}-w{i}" for i in sorted(self.wired)}
+        self._relays: dict[int, subprocess.Popen] = {}
+        self.losses: dict[int, float] = {}
         self._made: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()
@@ -197,7 +239,12 @@ class NetShape:
 
     # ------------------------------------------------------------ addresses
     def ip(self, i: int) -> str:
+        """Node i's address on the shared bridge: its router's, for a node behind NAT."""
         return f"{self.subnet}.{i + 1}"
+
+    def local_ip(self, i: int) -> str:
+        """The address node i's own interface holds (what a program there binds)."""
+        return f"{NAT_SUBNET}.{i}.2" if i in self.nat else self.ip(i)
 
     def prefix(self, i: int) -> list[str]:
         """The command prefix that runs a program inside node i."""
@@ -226,17 +273,115 @@ class NetShape:
         _run(hub + ["link", "set", "br0", "up"])
         for i, ns in enumerate(self.nodes):
             self._add_ns(ns)
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            wan = self._behind_nat(i) if i in self.nat else ns
             port = f"p{i}"
-            _run(["ip", "link", "add", IFACE, "netns", ns, "type", "veth",
-                  "peer", "name", port, "netns", self.hub])  # fmt: skip
+            if i in self.wired:
+                self._wire(i, wan, port)
+            else:
+                _run(["ip", "link", "add", IFACE, "netns", wan, "type", "veth",
+                      "peer", "name", port, "netns", self.hub])  # fmt: skip
             _run(hub + ["link", "set", port, "master", "br0"])
             _run(hub + ["link", "set", port, "up"])
-            node = ["ip", "-n", ns]
-            _run(node + ["addr", "add", f"{self.ip(i)}/24", "dev", IFACE])
-            _run(node + ["link", "set", IFACE, "up"])
-            _run(node + ["link", "set", "lo", "up"])
+            _run(["ip", "-n", wan, "addr", "add", f"{self.ip(i)}/24", "dev", IFACE])
+            _run(["ip", "-n", wan, "link", "set", IFACE, "up"])
         self.set_rates(self.rates)
         log.info("netshape: %d namespaces %s..%s up", self.n, self.nodes[0], self.nodes[-1])
+
+    def _behind_nat(self, i: int) -> str:
+        """Put node i behind a home router: a namespace that forwards and masquerades its
+        private subnet onto the bridge and has no port forwarded. The node can connect out;
+        nothing on the bridge can connect in (its private address has no route there, and
+        the router's own address has no listener). Returns the router's namespace."""
+        router, ns = self.routers[i], self.nodes[i]
+        self._add_ns(router)
+        lan, gateway = f"{NAT_SUBNET}.{i}", f"{NAT_SUBNET}.{i}.1"
+        _run(["ip", "link", "add", IFACE, "netns", ns, "type", "veth",
+              "peer", "name", "lan0", "netns", router])  # fmt: skip
+        r, node = ["ip", "-n", router], ["ip", "-n", ns]
+        _run(r + ["addr", "add", f"{gateway}/24", "dev", "lan0"])
+        _run(r + ["link", "set", "lan0", "up"])
+        _run(r + ["link", "set", "lo", "up"])
+        _run(node + ["addr", "add", f"{lan}.2/24", "dev", IFACE])
+        _run(node + ["link", "set", IFACE, "up"])
+        _run(node + ["route", "add", "default", "via", gateway])
+        inside = ["ip", "netns", "exec", router]
+        _run(inside + ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        rules = (
+            "table ip nat {\n chain post {\n  type nat hook postrouting priority 100;\n"
+            f'  oifname "{IFACE}" ip saddr {lan}.0/24 masquerade\n }}\n}}\n'
+        )
+        proc = subprocess.run(inside + ["nft", "-f", "-"], input=rules, capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+        if proc.returncode != 0:
+            raise NetShapeError(f"nft masquerade in {router}: {proc.stderr.strip()}")
+        return router
+
+    def _wire(self, i: int, wan: str, port: str) -> None:
+        """Join `wan`'s eth0 to the hub's `port` through tools/netwire: two bridges in a
+        namespace of their own, each with a TAP device the relay forwards between."""
+        w = self.wires[i]
+        self._add_ns(w)
+        _run(["ip", "link", "add", "name", IFACE, "netns", wan, "type", "veth",
+              "peer", "name", "a", "netns", w])  # fmt: skip
+        _run(["ip", "link", "add", "name", "b", "netns", w, "type", "veth",
+              "peer", "name", port, "netns", self.hub])  # fmt: skip
+        inside = ["ip", "netns", "exec", w]
+        for side in ("a", "b"):
+            _run(inside + ["ip", "tuntap", "add", "dev", f"tap{side}", "mode", "tap"])
+            _run(inside + ["ip", "link", "add", f"br{side}", "type", "bridge"])
+            for dev in (side, f"tap{side}"):
+                _run(inside + ["ip", "link", "set", "dev", dev, "master", f"br{side}"])
+                _run(inside + ["ip", "link", "set", "dev", dev, "up"])
+            _run(inside + ["ip", "link", "set", f"br{side}", "up"])
+        delay_ms, loss = self.wire_settings
+        relay = subprocess.Popen(
+            inside + [sys.executable, str(Path(__file__).with_name("netwire.py")), "tapa",
+                      "tapb", "--delay-ms", str(delay_ms), "--loss", str(loss)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            preexec_fn=_default_signals,
+        )  # fmt: skip
+        self._procs.append(relay)
+        self._relays[i] = relay
+        assert relay.stdout is not None
+        if relay.stdout.readline().strip() != "ready":
+            raise NetShapeError(f"the wire relay for node {i} did not start")
+
+    def set_loss(self, i: int, percent: float) -> None:
+        """Drop `percent` of the frames node i sends and receives, at random, on the hub's
+        bridge (nftables, in the kernel: no end's stack sees an error, TCP just loses the
+        segment). 0 restores the link. Needs nft (``nat_available``)."""
+        if not 0 <= percent <= 100:
+            raise ValueError(f"loss must be within 0..100 %, got {percent}")
+        self.losses[i] = float(percent)
+        rules = []
+        for node, pct in sorted(self.losses.items()):
+            if pct > 0:
+                per_mille = round(pct * 10)
+                for way in ("iifname", "oifname"):
+                    rules.append(f'  {way} "p{node}" numgen random mod 1000 < {per_mille} drop')
+        inside = ["ip", "netns", "exec", self.hub, "nft"]
+        _run(inside + ["delete", "table", "bridge", "atomloss"], check=False)
+        if not rules:
+            return
+        table = ("table bridge atomloss {\n chain links {\n  type filter hook forward "
+                 "priority 0;\n" + "\n".join(rules) + "\n }\n}\n")  # fmt: skip
+        proc = subprocess.run(inside + ["-f", "-"], input=table, capture_output=True, text=True,
+                              timeout=30)  # fmt: skip
+        if proc.returncode != 0:
+            raise NetShapeError(f"nft loss rules in {self.hub}: {proc.stderr.strip()}")
+
+    def set_wire(self, i: int, delay_ms: float, loss: float) -> None:
+        """Change node i's wire (it must be in `wired`): one-way delay each direction, and
+        the percent of frames lost; takes effect for the frames that follow."""
+        if i not in self._relays:
+            raise ValueError(f"node {i} has no wire (NetShape(..., wired=[{i}]))")
+        if delay_ms < 0 or not 0 <= loss <= 100:
+            raise ValueError("delay must be >= 0 ms and loss within 0..100 %")
+        relay = self._relays[i]
+        assert relay.stdin is not None
+        relay.stdin.write(f"{delay_ms} {loss}\n")
+        relay.stdin.flush()
 
     def _add_ns(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
@@ -279,6 +424,7 @@ class NetShape:
                 if self._made:
                     log.info("netshape: %d namespaces removed", len(names))
                 self._made = []
+                self._relays = {}
             except Exception:  # teardown must not mask the error that brought us here
                 log.exception("netshape: teardown failed; run `python -m tools.netshape cleanup`")
             finally:

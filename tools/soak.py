@@ -44,6 +44,7 @@ from tools.soak_faults import KINDS, Fault, schedule, usable_kinds  # noqa: E402
 PORT = 5555
 DISK_MB = 48  # each peer's run directory, a tmpfs when root: small enough to fill at once
 CKPT_EVERY = 10  # steps: saves often, so that kills land mid-save too
+SLOW_LINK_LOSS = 2.0  # percent of a slowed link's frames dropped, each way (issue 28)
 WARMUP_S = 20.0
 START_GRACE_S = 120.0  # at the end: for a peer just restarted to make its first steps
 
@@ -274,6 +275,9 @@ class Soak:
             rates = [[1.0 if target.index in (i, j) and i != j else 0.0 for j in range(n)]
                      for i in range(n)]  # fmt: skip
             self.net.set_rates(rates)
+            if shutil.which("nft"):  # 2% of its frames lost too (no netem: no delay here)
+                self.net.set_loss(target.index, SLOW_LINK_LOSS)
+                f.detail += f" {SLOW_LINK_LOSS:g}% loss"
         elif f.kind == "flap":
             self.stop_flap.clear()
             threading.Thread(target=self._flap, args=(target.index,), daemon=True).start()
@@ -301,6 +305,8 @@ class Soak:
             (s.home / "fill").unlink(missing_ok=True)
         elif f.kind == "slow_link":
             self.net.set_rates(0.0)
+            if self.net.losses.get(s.index):
+                self.net.set_loss(s.index, 0.0)
         elif f.kind == "flap":
             self.stop_flap.set()
 

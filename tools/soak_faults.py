@@ -10,8 +10,9 @@ Kinds, and what each does:
     pause         SIGSTOP for longer than gossip.dead_after_s, then SIGCONT
     disk_full     the peer's run directory (a small tmpfs) filled, then freed
     partition     the group split in two (blackhole routes both ways), then healed
-    slow_link     one peer's links shaped to 1 Mb/s (netem, hence delay and loss, is
-                  not available on the machines this was built on: rate only)
+    slow_link     one peer's links shaped to 1 Mb/s with 2% of its frames lost each way
+                  (loss needs nft; delay needs netem, missing on the machines this was
+                  built on: tools/bench_wan measures a 200 ms link instead)
     flap          one peer's link down and up every second
     late_join     a peer that was not there joins
     leave         a peer leaves for good (Ctrl+C)

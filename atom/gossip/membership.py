@@ -44,8 +44,9 @@ from atom.gossip.net.wire import MAX_LISTED
 EWMA = 0.3  # weight of a new link measurement
 FORGET_AFTER_S = 600.0  # drop dead peers from the table (seeds are still retried)
 EARLY_ROUND_S = 0.1  # ping rounds asked for early (check_soon) come no closer than this
-# silence allowed on a slow or far link: a ping may wait behind a whole exchange message in
-# each direction, plus a few round trips (a lost packet costs TCP about one); at most this
+# silence allowed on a slow or far link: a ping may wait behind every message queued on it
+# (each lane's request and reply: queued_bytes), plus a few round trips (a lost packet costs
+# TCP about one); at most this
 SILENT_RTTS = 4
 MAX_DEAD_AFTER_S = 120.0
 # reachability: a peer we hear from whose endpoint missed this many of our pings in a row

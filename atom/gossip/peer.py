@@ -375,7 +375,9 @@ class GossipPeer:
                     raise GossipError(
                         f"no group member answered at {', '.join(self.cfg.seeds)} within "
                         f"{self.cfg.join_timeout_s:.0f}s; check the address, the firewall and "
-                        "--group-key, or start the first peer without --join"
+                        "--group-key; a peer behind a home router (NAT) cannot be joined: join "
+                        "a member others can reach, forward its port or use a private network "
+                        "(README: Over the internet); or start the first peer without --join"
                     )
                 self.stop.wait(0.1)
         finally:

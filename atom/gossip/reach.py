@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from atom.config.gossip import endpoint_host
-
 MAX_VERDICTS = 256  # members remembered (a bound, as the peer table has)
 
 
@@ -45,8 +43,8 @@ class Reachability:
     def client_line(self, member: str) -> str:
         port = self.endpoint.rsplit(":", 1)[-1]
         return (
-            f"not reachable from the group at {self.endpoint} ({member} could not connect; "
-            f"host {endpoint_host(self.endpoint)}): joining as a client: you exchange with "
+            f"not reachable from the group at {self.endpoint} ({member} could not connect): "
+            "joining as a client: you exchange with "
             "reachable members, they cannot start exchanges with you; forward port "
             f"{port} on your router to this machine (and set gossip.advertise to the "
             "address others dial), or join over a private network (docs/peers.md), to be a "

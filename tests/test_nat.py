@@ -1,0 +1,113 @@
+"""Peers behind a real NAT (issue 29): `atom train` processes in network namespaces, some
+behind a router namespace that masquerades their traffic with nftables and forwards no
+port (tools/netshape ``nat``). Inbound connections to them really fail, as at home.
+
+Skipped without root, `ip netns` or nft (the reason says which).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import gossip_util as gu
+from tools import tool_env
+from tools.netshape import NetShape, nat_available
+
+REASON = nat_available()
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"no NAT here: {REASON}"),
+    pytest.mark.slow,
+    pytest.mark.multiprocess,
+]
+
+PORT = 5555
+DEATHS = ("stopped answering", "not choosing it for")  # a member's death or penalty lines
+COMMON = ("--set", "gossip.strategy=gossip", "--set", "gossip.wait_peers=1")
+
+
+def _start(net: NetShape, i: int, cmd: list[str], log: Path) -> subprocess.Popen:
+    env = tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    with open(log, "w") as f:
+        return net.popen(i, cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def _endpoint(net: NetShape, i: int, public: bool = True) -> str:
+    return f"tcp://{net.ip(i) if public else net.local_ip(i)}:{PORT}"
+
+
+@pytest.fixture
+def keyed(tmp_path):
+    from atom.gossip.net.keys import keygen
+
+    shards, union = gu.make_shards(tmp_path / "data", n_lines=400)
+    keygen(tmp_path / "keys", [f"p{k}" for k in range(4)])
+    return tmp_path, shards, union
+
+
+def test_two_members_and_two_peers_behind_nat_train_as_one_group(keyed):
+    """p0, p1 reachable members; p2 behind NAT listening on its private address (the
+    members' probe of it fails), p3 behind NAT with no --listen. Both NATed peers say once
+    that they are clients, mix through the members by starting every exchange, and nobody
+    is declared dead or penalised for being unreachable."""
+    home, shards, union = keyed
+    steps = 150
+    runs = [home / f"p{k}" for k in range(4)]
+    logs = [home / f"p{k}.log" for k in range(4)]
+    with NetShape(4, 0, nat=[2, 3]) as net:
+        def cmd(k: int, *where: str) -> list[str]:
+            return gu.peer_cmd(runs[k], shards[k % len(shards)], steps, 1 + k, *where, *COMMON,
+                               "--group-key", str(home / "keys" / f"p{k}"))  # fmt: skip
+
+        procs = [_start(net, 0, cmd(0, "--listen", _endpoint(net, 0)), logs[0])]
+        gu.endpoint(runs[0], procs=procs)
+        join = ("--join", _endpoint(net, 0))
+        procs.append(_start(net, 1, cmd(1, "--listen", _endpoint(net, 1), *join), logs[1]))
+        procs.append(_start(net, 2, cmd(2, "--listen", _endpoint(net, 2, public=False),
+                                        *join), logs[2]))  # fmt: skip
+        procs.append(_start(net, 3, cmd(3, *join), logs[3]))
+        codes = gu.stop_all(procs, timeout=120 + 2.0 * steps)
+    text = [log.read_text(errors="replace") for log in logs]
+    assert codes == [0, 0, 0, 0], [t[-2000:] for t in text]
+    status = [json.loads((r / "gossip.json").read_text()) for r in runs]
+    assert [s.get("mode") for s in status] == ["member", "member", "client", "client"]
+    said = [f"not reachable from the group at {_endpoint(net, 2, public=False)}", "no --listen"]
+    assert text[2].count(said[0]) == 1, text[2][-3000:]
+    assert text[3].count(said[1]) == 1, text[3][-3000:]
+    assert all(f"reachable at {_endpoint(net, k)}" in text[k] for k in (0, 1))
+    for k in (2, 3):  # the NATed peers' own exchanges went through
+        assert int(status[k]["counters"].get("exchange.ok", 0)) > 0, status[k]["counters"]
+    served = sum(int(s["counters"].get("served.ok", 0)) for s in status[:2])
+    assert served > 0
+    assert not [line for t in text for line in t.splitlines() if any(d in line for d in DEATHS)]
+    assert "Traceback" not in "".join(text)
+
+
+def test_joining_a_peer_behind_nat_fails_in_one_line_that_says_what_to_do(keyed):
+    """Two friends, both behind NAT, no reachable member: the second cannot reach the
+    first at its router's address. It gives up within the join timeout with one line
+    naming the address and the ways out, and exit 2."""
+    home, shards, union = keyed
+    timeout_s = 8
+    with NetShape(2, 0, nat=[0, 1]) as net:
+        first = _start(net, 0, gu.peer_cmd(
+            home / "p0", shards[0], 10**6, 1, "--listen", _endpoint(net, 0, public=False),
+            "--group-key", str(home / "keys" / "p0")), home / "p0.log")  # fmt: skip
+        gu.endpoint(home / "p0", procs=[first])
+        began = time.monotonic()
+        second = net.run(1, gu.peer_cmd(
+            home / "p1", shards[1], 50, 2, "--join", _endpoint(net, 0),
+            "--set", f"gossip.join_timeout_s={timeout_s}",
+            "--group-key", str(home / "keys" / "p1")),
+            timeout=120, capture_output=True, text=True, env=tool_env())  # fmt: skip
+        took = time.monotonic() - began
+    assert second.returncode == 2, second.stderr[-2000:]
+    errors = [line for line in second.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, second.stderr[-2000:]
+    assert _endpoint(net, 0) in errors[0] and "NAT" in errors[0], errors[0]
+    assert "Traceback" not in second.stderr
+    assert took < timeout_s + 60  # the join timeout, plus starting Python and torch
