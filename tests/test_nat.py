@@ -27,7 +27,11 @@ pytestmark = [
 
 PORT = 5555
 DEATHS = ("stopped answering", "not choosing it for")  # a member's death or penalty lines
-COMMON = ("--set", "gossip.strategy=gossip", "--set", "gossip.wait_peers=1")
+COMMON = ("--set", "gossip.strategy=gossip")
+# members hold their first step until all three others are there (clients included: they
+# ping every member), so that nobody finishes before the last one joins
+MEMBER_WAITS = ("--set", "gossip.wait_peers=3")
+CLIENT_WAITS = ("--set", "gossip.wait_peers=1")
 
 
 def _start(net: NetShape, i: int, cmd: list[str], log: Path) -> subprocess.Popen:
@@ -44,6 +48,7 @@ def _endpoint(net: NetShape, i: int, public: bool = True) -> str:
 def keyed(tmp_path):
     from atom.gossip.net.keys import keygen
 
+    (tmp_path / "data").mkdir()
     shards, union = gu.make_shards(tmp_path / "data", n_lines=400)
     keygen(tmp_path / "keys", [f"p{k}" for k in range(4)])
     return tmp_path, shards, union
@@ -55,7 +60,7 @@ def test_two_members_and_two_peers_behind_nat_train_as_one_group(keyed):
     that they are clients, mix through the members by starting every exchange, and nobody
     is declared dead or penalised for being unreachable."""
     home, shards, union = keyed
-    steps = 150
+    steps = 600  # ~20 s on an idle 2-core box: the verdicts need a few heartbeats
     runs = [home / f"p{k}" for k in range(4)]
     logs = [home / f"p{k}.log" for k in range(4)]
     with NetShape(4, 0, nat=[2, 3]) as net:
@@ -63,13 +68,13 @@ def test_two_members_and_two_peers_behind_nat_train_as_one_group(keyed):
             return gu.peer_cmd(runs[k], shards[k % len(shards)], steps, 1 + k, *where, *COMMON,
                                "--group-key", str(home / "keys" / f"p{k}"))  # fmt: skip
 
-        procs = [_start(net, 0, cmd(0, "--listen", _endpoint(net, 0)), logs[0])]
-        gu.endpoint(runs[0], procs=procs)
-        join = ("--join", _endpoint(net, 0))
-        procs.append(_start(net, 1, cmd(1, "--listen", _endpoint(net, 1), *join), logs[1]))
-        procs.append(_start(net, 2, cmd(2, "--listen", _endpoint(net, 2, public=False),
-                                        *join), logs[2]))  # fmt: skip
-        procs.append(_start(net, 3, cmd(3, *join), logs[3]))
+        procs = [_start(net, 0, cmd(0, "--listen", _endpoint(net, 0), *MEMBER_WAITS), logs[0])]
+        join = ("--join", _endpoint(net, 0))  # joiners retry until p0 listens
+        member = ("--listen", _endpoint(net, 1), *join, *MEMBER_WAITS)
+        procs.append(_start(net, 1, cmd(1, *member), logs[1]))
+        private = ("--listen", _endpoint(net, 2, public=False), *join, *CLIENT_WAITS)
+        procs.append(_start(net, 2, cmd(2, *private), logs[2]))
+        procs.append(_start(net, 3, cmd(3, *join, *CLIENT_WAITS), logs[3]))
         codes = gu.stop_all(procs, timeout=120 + 2.0 * steps)
     text = [log.read_text(errors="replace") for log in logs]
     assert codes == [0, 0, 0, 0], [t[-2000:] for t in text]
