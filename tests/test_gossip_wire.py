@@ -387,6 +387,8 @@ def test_peer_table_liveness_goodbye_and_restart():
          "step": 5, "samples": 20, "peers": [{"id": "b", "ep": "tcp://127.0.0.1:2", "inc": 3,
                                               "step": 1, "ready": True}]}  # fmt: skip
     t.heard(h)
+    assert t.candidates() == []  # a is heard, but we have not reached its endpoint yet
+    t.pinged("a", True, 1.0)  # our ping to it was answered from there
     assert [p.id for p in t.candidates()] == ["a"]  # b is only hearsay until it answers
     assert t.get("b").status == "dead"
     t.penalise("a")

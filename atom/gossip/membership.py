@@ -341,7 +341,11 @@ class PeerTable:
             return [p for p in self.peers.values() if p.status == "alive"]
 
     def candidates(self) -> list[PeerState]:
-        """Peers we may exchange with now: alive, ready, not backing off, not penalised."""
+        """Peers we may exchange with now: alive, ready, their endpoint answered our own
+        ping (a peer behind NAT is never dialled for an exchange, not even in the heartbeats
+        before its misses make it a client: each such try held a unit until its timeout,
+        and the clients' own exchanges met that unit busy), not backing off, not
+        penalised."""
         now = time.monotonic()
         with self.lock:
             return [
@@ -349,7 +353,7 @@ class PeerTable:
                 for p in self.peers.values()
                 if p.status == "alive"
                 and p.ready
-                and p.reachable is not False  # a client starts its exchanges itself
+                and p.reachable is True  # a client starts its exchanges itself
                 and now >= p.backoff_until
                 and now >= self.penalties.get(p.id, 0.0)
             ]
