@@ -60,6 +60,7 @@ def _lines(words: list[str], n: int, seed: int) -> list[str]:
 def make_shards(root: Path, n_lines: int = 1500) -> tuple[list[Path], Path]:
     """Three shard datasets (disjoint vocabularies) and a union whose val split mixes all."""
     root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     shards = []
     texts = []
     for k, words in enumerate(SHARD_WORDS):

@@ -16,7 +16,7 @@ import pytest
 
 from tests import gossip_util as gu
 from tools import tool_env
-from tools.netshape import NetShape, nat_available
+from tools.netshape import NetShape, nat_available, wire_available
 
 REASON = nat_available()
 pytestmark = [
@@ -116,3 +116,34 @@ def test_joining_a_peer_behind_nat_fails_in_one_line_that_says_what_to_do(keyed)
     assert _endpoint(net, 0) in errors[0] and "NAT" in errors[0], errors[0]
     assert "Traceback" not in second.stderr
     assert took < timeout_s + 60  # the join timeout, plus starting Python and torch
+
+
+@pytest.mark.skipif(wire_available() is not None, reason=f"no wire: {wire_available()}")
+def test_a_peer_over_a_far_link_joins_and_mixes(keyed):
+    """A 400 ms round trip (tools/netwire): a new connection's handshakes (TCP, ZMTP,
+    CURVE) take about five of them, two seconds, longer than a heartbeat's ping waits.
+    Each timed-out ping used to close the half-made connection and start again, so the
+    far peer never reached anyone and gave up joining (found by tools/bench_wan)."""
+    home, shards, union = keyed
+    runs = [home / "p0", home / "p1"]
+    # this tiny model makes ~60 steps a second from a fresh init: in the ~4 s before the
+    # first exchange over this link two honest peers drift apart by 3.5x a unit's norm,
+    # past the outlier check's 2x (a model of real size makes a few steps in 4 s)
+    drift = ("--set", "gossip.max_relative=10")
+    with NetShape(2, 0, wired=[1], delay_ms=200) as net:
+        first = _start(net, 0, gu.peer_cmd(
+            runs[0], union, 400, 1, "--listen", _endpoint(net, 0), *drift,
+            "--set", "gossip.strategy=gossip", "--set", "gossip.wait_peers=1",
+            "--group-key", str(home / "keys" / "p0")), home / "p0.log")  # fmt: skip
+        far = _start(net, 1, gu.peer_cmd(
+            runs[1], union, 400, 2, "--listen", _endpoint(net, 1), *drift,
+            "--join", _endpoint(net, 0), "--set", "gossip.strategy=gossip",
+            "--set", "gossip.join_timeout_s=20",
+            "--group-key", str(home / "keys" / "p1")), home / "p1.log")  # fmt: skip
+        codes = gu.stop_all([first, far], timeout=300)
+    text = [(home / f"p{k}.log").read_text(errors="replace") for k in (0, 1)]
+    assert codes == [0, 0], [t[-2000:] for t in text]
+    status = [json.loads((r / "gossip.json").read_text()) for r in runs]
+    assert [s.get("mode") for s in status] == ["member", "member"]
+    assert int(status[1]["counters"].get("exchange.ok", 0)) > 0, status[1]["counters"]
+    assert not [line for t in text for line in t.splitlines() if any(d in line for d in DEATHS)]

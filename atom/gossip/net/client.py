@@ -2,7 +2,11 @@
 
 A DEALER per destination, created lazily, with LINGER 0; a request waits for its reply
 (matched by rid, and addressed to us) with a poll timeout, and on timeout the socket is
-closed, which drops anything still queued for a dead peer. Nothing here blocks without a
+closed, which drops anything still queued for a dead peer; except a socket that has not
+heard anything yet while it is younger than CONNECT_GRACE_S: its connection may still be
+in its handshakes (TCP, ZMTP, CURVE: about five round trips, over a second on a 200 ms
+link, longer than a heartbeat's ping waits), and closing it would start them all over at
+every ping, so that a far peer could never be reached. Nothing here blocks without a
 timeout. One instance per thread (zmq sockets are not thread-safe); a peer's clients
 share one source of request ids (servers refuse a rid seen before: replay.py).
 """
@@ -21,6 +25,8 @@ from atom.gossip.net.replay import RequestIds
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import POLL_MS, Incoming, frames_nbytes, read_header, received
 from atom.gossip.net.wire import Expect, Rejected, check_frames, pack
+
+CONNECT_GRACE_S = 4.0  # a new socket's handshakes may take this long before a timeout drops it
 
 
 class Client:
@@ -44,6 +50,7 @@ class Client:
         self.shaper, self.counters, self.on_reject, self.stop = shaper, counters, on_reject, stop
         self.me = me
         self._socks: dict[str, zmq.Socket] = {}
+        self._unheard: dict[str, float] = {}  # endpoint -> when its socket opened, until a reply
         # one source for all of a peer's clients: servers refuse a (sender, rid) seen before
         self._rid = rids if rids is not None else RequestIds()
 
@@ -63,9 +70,11 @@ class Client:
             secure_client(sock, self.keys)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
+            self._unheard[endpoint] = time.monotonic()
         return sock
 
     def drop(self, endpoint: str) -> None:
+        self._unheard.pop(endpoint, None)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
@@ -131,6 +140,7 @@ class Client:
                     parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue
+                self._unheard.pop(ep, None)  # connected: its handshakes are done
                 reply = self._check(parts, pending[ep])
                 if reply is False:
                     continue  # a stale reply to an earlier, timed-out request
@@ -138,8 +148,10 @@ class Client:
                     reply.dialled = ep
                 out[ep] = reply
                 del pending[ep]
+        now = time.monotonic()
         for ep in pending:  # no reply in time: forget the socket and what it queued
-            self.drop(ep)
+            if now - self._unheard.get(ep, -1e9) >= CONNECT_GRACE_S:
+                self.drop(ep)
             out[ep] = None
         return out
 
