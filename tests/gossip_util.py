@@ -89,12 +89,21 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _peer_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
         return subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=_peer_env(), preexec_fn=_default_sigint
         )
+
+
+def start_in(net, node: int, cmd: list[str], log: Path) -> subprocess.Popen:
+    """start(), inside node `node` of a tools.netshape NetShape (stopped at its teardown)."""
+    with open(log, "w") as f:
+        return net.popen(node, cmd, stdout=f, stderr=subprocess.STDOUT, env=_peer_env())
 
 
 def wait_for(predicate, timeout: float, what: str, procs=()) -> None:

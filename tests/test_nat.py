@@ -8,14 +8,11 @@ Skipped without root, `ip netns` or nft (the reason says which).
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests import gossip_util as gu
-from tools import tool_env
 from tools.netshape import NetShape, nat_available, wire_available
 
 REASON = nat_available()
@@ -32,12 +29,6 @@ COMMON = ("--set", "gossip.strategy=gossip")
 # ping every member), so that nobody finishes before the last one joins
 MEMBER_WAITS = ("--set", "gossip.wait_peers=3")
 CLIENT_WAITS = ("--set", "gossip.wait_peers=1")
-
-
-def _start(net: NetShape, i: int, cmd: list[str], log: Path) -> subprocess.Popen:
-    env = tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    with open(log, "w") as f:
-        return net.popen(i, cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def _endpoint(net: NetShape, i: int, public: bool = True) -> str:
@@ -68,13 +59,13 @@ def test_two_members_and_two_peers_behind_nat_train_as_one_group(keyed):
             return gu.peer_cmd(runs[k], shards[k % len(shards)], steps, 1 + k, *where, *COMMON,
                                "--group-key", str(home / "keys" / f"p{k}"))  # fmt: skip
 
-        procs = [_start(net, 0, cmd(0, "--listen", _endpoint(net, 0), *MEMBER_WAITS), logs[0])]
+        procs = [gu.start_in(net, 0, cmd(0, "--listen", _endpoint(net, 0), *MEMBER_WAITS), logs[0])]
         join = ("--join", _endpoint(net, 0))  # joiners retry until p0 listens
         member = ("--listen", _endpoint(net, 1), *join, *MEMBER_WAITS)
-        procs.append(_start(net, 1, cmd(1, *member), logs[1]))
+        procs.append(gu.start_in(net, 1, cmd(1, *member), logs[1]))
         private = ("--listen", _endpoint(net, 2, public=False), *join, *CLIENT_WAITS)
-        procs.append(_start(net, 2, cmd(2, *private), logs[2]))
-        procs.append(_start(net, 3, cmd(3, *join, *CLIENT_WAITS), logs[3]))
+        procs.append(gu.start_in(net, 2, cmd(2, *private), logs[2]))
+        procs.append(gu.start_in(net, 3, cmd(3, *join, *CLIENT_WAITS), logs[3]))
         codes = gu.stop_all(procs, timeout=120 + 2.0 * steps)
     text = [log.read_text(errors="replace") for log in logs]
     assert codes == [0, 0, 0, 0], [t[-2000:] for t in text]
@@ -99,7 +90,7 @@ def test_joining_a_peer_behind_nat_fails_in_one_line_that_says_what_to_do(keyed)
     home, shards, union = keyed
     timeout_s = 8
     with NetShape(2, 0, nat=[0, 1]) as net:
-        first = _start(net, 0, gu.peer_cmd(
+        first = gu.start_in(net, 0, gu.peer_cmd(
             home / "p0", shards[0], 10**6, 1, "--listen", _endpoint(net, 0, public=False),
             "--group-key", str(home / "keys" / "p0")), home / "p0.log")  # fmt: skip
         gu.endpoint(home / "p0", procs=[first])
@@ -108,7 +99,7 @@ def test_joining_a_peer_behind_nat_fails_in_one_line_that_says_what_to_do(keyed)
             home / "p1", shards[1], 50, 2, "--join", _endpoint(net, 0),
             "--set", f"gossip.join_timeout_s={timeout_s}",
             "--group-key", str(home / "keys" / "p1")),
-            timeout=120, capture_output=True, text=True, env=tool_env())  # fmt: skip
+            timeout=120, capture_output=True, text=True)  # fmt: skip
         took = time.monotonic() - began
     assert second.returncode == 2, second.stderr[-2000:]
     errors = [line for line in second.stderr.splitlines() if "error" in line]
@@ -131,11 +122,11 @@ def test_a_peer_over_a_far_link_joins_and_mixes(keyed):
     # past the outlier check's 2x (a model of real size makes a few steps in 4 s)
     drift = ("--set", "gossip.max_relative=10")
     with NetShape(2, 0, wired=[1], delay_ms=200) as net:
-        first = _start(net, 0, gu.peer_cmd(
+        first = gu.start_in(net, 0, gu.peer_cmd(
             runs[0], union, 400, 1, "--listen", _endpoint(net, 0), *drift,
             "--set", "gossip.strategy=gossip", "--set", "gossip.wait_peers=1",
             "--group-key", str(home / "keys" / "p0")), home / "p0.log")  # fmt: skip
-        far = _start(net, 1, gu.peer_cmd(
+        far = gu.start_in(net, 1, gu.peer_cmd(
             runs[1], union, 400, 2, "--listen", _endpoint(net, 1), *drift,
             "--join", _endpoint(net, 0), "--set", "gossip.strategy=gossip",
             "--set", "gossip.join_timeout_s=20",

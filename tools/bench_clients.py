@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests import gossip_util as gu  # noqa: E402
-from tools import tool_env  # noqa: E402
 
 LISTEN = ("--listen", "tcp://127.0.0.1:0")
 DEATHS = ("stopped answering", "not choosing it for")  # a death, a penalty
@@ -65,11 +63,7 @@ def _run_group(home, shards, union, keys, steps, clients, net) -> dict:
 
     def start(k: int, cmd: list[str]):
         log = home / f"p{k}.log"
-        if net is None:
-            return gu.start(cmd, log)
-        with open(log, "w") as f:
-            return net.popen(k, cmd, stdout=f, stderr=subprocess.STDOUT,
-                             env=tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}))
+        return gu.start(cmd, log) if net is None else gu.start_in(net, k, cmd, log)
 
     procs = [start(0, gu.peer_cmd(runs[0], shards[0], steps, 1, *listen(0), *common,
                                   "--group-key", str(keys / "p0")))]  # fmt: skip

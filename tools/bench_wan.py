@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,18 +31,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests import gossip_util as gu  # noqa: E402
-from tools import tool_env  # noqa: E402
 from tools.netshape import NetShape, wire_available  # noqa: E402
 
 PORT = 5555
 DEATHS = ("stopped answering", "not choosing it for")
-
-
-def _status(run: Path) -> dict:
-    try:
-        return json.loads((run / "gossip.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _row(status: dict, pid: str) -> dict | None:
@@ -73,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     keygen(out / "keys", ids)
     runs = [out / pid for pid in ids]
     rates = [[0, 0, args.mbps], [0, 0, args.mbps], [args.mbps, args.mbps, 0]]
-    env = tool_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     false_deaths: list[str] = []
     with NetShape(3, rates, wired=[2], delay_ms=args.delay_ms, loss=args.loss) as net:
         procs = []
@@ -84,11 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                               "--set", "gossip.strategy=gossip",
                               "--set", "gossip.max_relative=10",
                               "--group-key", str(out / "keys" / pid))  # fmt: skip
-            with open(out / f"{pid}.log", "w") as f:
-                procs.append(net.popen(k, cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+            procs.append(gu.start_in(net, k, cmd, out / f"{pid}.log"))
             if k == 0:
                 gu.endpoint(runs[0], procs=procs)
-        gu.wait_for(lambda: all(_row(_status(runs[0]), p) for p in ids[1:]), 120,
+        gu.wait_for(lambda: all(_row(gu.status(runs[0]), p) for p in ids[1:]), 120,
                     "p1 and p2 to join", procs)  # fmt: skip
         began = time.monotonic()
         end = began + args.minutes * 60
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 false_deaths.append(f"a peer exited: {[p.returncode for p in procs]}")
                 break
             for k, run in enumerate(runs):
-                st = _status(run)
+                st = gu.status(run)
                 for other in ids:
                     row = _row(st, other)
                     if row is None:
@@ -112,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = time.monotonic() - began
             if elapsed >= shown + 30:
                 shown = elapsed
-                wan = _row(_status(runs[0]), "p2") or {}
+                wan = _row(gu.status(runs[0]), "p2") or {}
                 print(f"wan {elapsed / 60:4.1f} min | p0's view of p2: rtt "
                       f"{(wan.get('rtt') or 0) * 1000:.0f} ms, bw {(wan.get('bw') or 0) / 1e6:.1f}"
                       f" MB/s, exchanges {wan.get('exchanges')} | false deaths "
@@ -120,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
         logs = "".join((out / f"{pid}.log").read_text(errors="replace") for pid in ids)
         false_deaths += [line for line in logs.splitlines() if any(d in line for d in DEATHS)]
-        wan_row = _row(_status(runs[0]), "p2") or {}
-        p2_made = int(_status(runs[2]).get("counters", {}).get("exchange.ok", 0))
+        wan_row = _row(gu.status(runs[0]), "p2") or {}
+        p2_made = int(gu.status(runs[2]).get("counters", {}).get("exchange.ok", 0))
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         seen_dead = None
         while time.monotonic() < killed + 60:
-            row = _row(_status(runs[0]), "p1")
+            row = _row(gu.status(runs[0]), "p1")
             if row is not None and row.get("status") != "alive":
                 seen_dead = time.monotonic() - killed
                 break

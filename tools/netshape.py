@@ -67,8 +67,10 @@ class NetShapeError(RuntimeError):
     """A namespace, link or qdisc could not be made; the message has ip/tc's stderr."""
 
 
-def _run(args: Sequence[str], check: bool = True, timeout: float = 30) -> str:
-    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+def _run(args: Sequence[str], check: bool = True, timeout: float = 30,
+         input: str | None = None) -> str:  # fmt: skip
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                          input=input)  # fmt: skip
     if check and proc.returncode != 0:
         raise NetShapeError(f"{' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
     return proc.stdout
@@ -311,10 +313,7 @@ class NetShape:
             "table ip nat {\n chain post {\n  type nat hook postrouting priority 100;\n"
             f'  oifname "{IFACE}" ip saddr {lan}.0/24 masquerade\n }}\n}}\n'
         )
-        proc = subprocess.run(inside + ["nft", "-f", "-"], input=rules, capture_output=True,
-                              text=True, timeout=30)  # fmt: skip
-        if proc.returncode != 0:
-            raise NetShapeError(f"nft masquerade in {router}: {proc.stderr.strip()}")
+        _run(inside + ["nft", "-f", "-"], input=rules)
         return router
 
     def _wire(self, i: int, wan: str, port: str) -> None:
@@ -366,10 +365,7 @@ class NetShape:
             return
         table = ("table bridge atomloss {\n chain links {\n  type filter hook forward "
                  "priority 0;\n" + "\n".join(rules) + "\n }\n}\n")  # fmt: skip
-        proc = subprocess.run(inside + ["-f", "-"], input=table, capture_output=True, text=True,
-                              timeout=30)  # fmt: skip
-        if proc.returncode != 0:
-            raise NetShapeError(f"nft loss rules in {self.hub}: {proc.stderr.strip()}")
+        _run(inside + ["-f", "-"], input=table)
 
     def set_wire(self, i: int, delay_ms: float, loss: float) -> None:
         """Change node i's wire (it must be in `wired`): one-way delay each direction, and
