@@ -54,6 +54,10 @@ class Engine(Protocol):
 
     device: torch.device  # where it computes
     dtype: torch.dtype  # the compute dtype there
+    # True from a step's first parameter update to its end: the step can no longer stop,
+    # and a second Ctrl+C waits for its end (atom/signals.py), or the weights would hold
+    # half a step
+    committed: bool
 
     def info(self) -> EngineInfo: ...
 

@@ -33,6 +33,7 @@ class ResidentEngine:
         self.recompute = recompute
         self.device = device
         self.dtype = compute_dtype
+        self.committed = False  # during the optimizer step (engine_protocol.Engine)
         self.model = materialize(build_model(cfg.model), cfg.train.seed, device=device)
         self.params = dict(self.model.named_parameters())
         decay = [p for p in self.params.values() if p.dim() >= 2]
@@ -78,18 +79,21 @@ class ResidentEngine:
             scaled = loss / len(batches)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach().float()
-        if self.scaler:
-            self.scaler.unscale_(self.opt)
-        norm = None
-        if self.cfg.train.grad_clip > 0:
-            norm = float(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-            )
-        if self.scaler:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
+        self.committed = True  # Ctrl+C now waits for the update to finish
+        try:
+            if self.scaler:
+                self.scaler.unscale_(self.opt)
+            norm = None
+            if self.cfg.train.grad_clip > 0:
+                params = self.model.parameters()
+                norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip))
+            if self.scaler:
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
+        finally:
+            self.committed = False
         return StepResult(loss=float(total) / len(batches), grad_norm=norm)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, docs) -> torch.Tensor:

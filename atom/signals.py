@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 
@@ -17,7 +18,13 @@ class Interrupts:
       two unit visits, within seconds, and the last finished step is saved;
     - during a checkpoint save: the save finishes; the third Ctrl+C abandons it (the
       half-written directory is removed, the previous checkpoint stays).
-    A second Ctrl+C outside a save interrupts at once (the engine abandons the step cleanly)."""
+    A second Ctrl+C outside a save interrupts at once (the engine abandons the step cleanly),
+    except while `hold()` says the step is applying its updates (`Engine.committed`): cut
+    there, the weights would hold half a step, so it counts as the first and the step ends.
+    """
+
+    def __init__(self, hold: Callable[[], bool] = lambda: False):
+        self._hold = hold
 
     LONG_STEP_S = 2.0
     ABANDON_SAVE_AFTER = 3
@@ -49,7 +56,7 @@ class Interrupts:
             os.write(2, f"atom: {self._what}; Ctrl+C {left} more time(s) abandons it (the "
                         "previous checkpoint stays)\n".encode())  # fmt: skip
             return
-        if self.pending:
+        if self.pending and not self._hold():
             raise KeyboardInterrupt
         self.pending = True
 

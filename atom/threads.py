@@ -1,12 +1,13 @@
 """Helper threads with their own share of the CPU's OpenMP threads.
 
 Every thread that runs a torch op in parallel gets its own OpenMP team, sized by torch's
-thread count. The swap engine runs torch ops on three threads: the one that runs (on a
-GPU: launches) the model's compute, the copy thread, and the host worker (landing
-gradients, the optimizer step). Left alone, each helper gets a team as large as the
-compute thread's, and the teams fight for the same cores: their spinning threads take the
-cores the compute needs (a resident engine ran 1.4x slower on 2 cores while a swapped one
-merely existed in the same process). So each helper is started with the count it needs.
+thread count. On a GPU the swap engine runs torch ops on three threads: the one that
+launches the model's compute, the copy thread, and the host worker (landing gradients,
+the optimizer step). Left alone, each helper gets a team as large as the compute thread's,
+and the teams fight for the same cores: their spinning threads take the cores the compute
+needs (a resident engine ran 1.4x slower on 2 cores while a swapped one merely existed in
+the same process). So each helper is started with the count it needs. (On the CPU the
+engine runs its host work on the compute thread instead: docs/architecture.md.)
 
 `torch.set_num_threads` sets the calling thread's count and also the process default that
 a thread picks up at its first parallel op; `start_helper` puts that default back, so
@@ -47,10 +48,9 @@ def start_helper(target: Callable[[], None], name: str, threads: int) -> threadi
 
 def host_worker_threads(device_type: str) -> int:
     """The host worker's share. On a GPU the compute thread only launches kernels, but it
-    must never wait for a core: the host optimizer gets all cores but one. On the CPU the
-    compute thread's team uses every core and the host work overlaps it, so the worker
-    takes one core's worth and leaves the rest to the critical path (a choice, not yet
-    measured apart from the other sizes on a quiet machine: docs/benchmarks.md)."""
+    must never wait for a core: the host optimizer gets all cores but one. On the CPU
+    (a worker thread only with CpuBackend(helper_threads=True), for tests) one core's
+    worth, leaving the rest to the compute's team."""
     if device_type == "cuda":  # torch's default: physical cores, not hyperthreads
         return max(1, torch.get_num_threads() - 1)
     return 1

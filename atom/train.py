@@ -419,7 +419,7 @@ class Trainer:
             self.close()
             raise
         rates: list[float] = []
-        with Interrupts() as interrupts:
+        with Interrupts(hold=lambda: self.engine.committed) as interrupts:
             try:
                 self._loop(summary, end, interrupts, rates)
             except KeyboardInterrupt:

@@ -190,7 +190,7 @@ def predict(
         offload = 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
         offload *= per_pass
     if hw.host_shares_compute:
-        # CPU backend: the copy thread takes a core that compute would use, so copies add
+        # CPU backend: copies run on the compute thread (inline), so they add
         # to the step rather than hide under it
         fwd = sum(fwd_c_all) + sum(h2d)
         fwd_later = sum(fwd_c_all) + sum(h2d_later)

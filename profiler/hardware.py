@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -259,18 +258,11 @@ def measure_unit_overhead(device: torch.device) -> float:
     return per_step / visits
 
 
-def _threaded_copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
-    """What the CPU backend's copy thread achieves (it is a thread, so measure one)."""
-    result: list[float] = []
-
-    def run() -> None:
-        dst.copy_(src)
-        result.append(_median_time(lambda: dst.copy_(src), reps))
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return src.nbytes / result[0]
+def _copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
+    """What the CPU backend's copies achieve: a memcpy on the computing thread, with its
+    team (atom/swap/backend.py: the CPU backend runs its host work inline)."""
+    dst.copy_(src)
+    return src.nbytes / _median_time(lambda: dst.copy_(src), reps)
 
 
 def measure(
@@ -328,7 +320,7 @@ def _measure(
     numel = max(transfer_numel, 1 << 24)
     if device.type == "cpu":
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
-        bps = _threaded_copy_bps(dst, src)
+        bps = _copy_bps(dst, src)
         bar.update(2)
         # the "device" is host memory: by default let the plan use what model state leaves
         return HardwareSpec(

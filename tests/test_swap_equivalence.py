@@ -109,7 +109,7 @@ class SlowCopyBackend(CpuBackend):
     copy that overwrote a slot still being read, would change the numbers."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(helper_threads=True)  # copies on a thread of their own
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()

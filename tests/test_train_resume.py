@@ -178,6 +178,49 @@ def test_ctrl_c_during_a_checkpoint_save(tmp_path, text_dataset, monkeypatch, pr
     assert files[0] == 8 if presses == 2 else files[0] == 6
 
 
+@pytest.mark.parametrize("update", ["exact", "eager"])
+def test_a_second_ctrl_c_while_a_step_updates_lets_the_step_finish(tmp_path, text_dataset, update):
+    """Two presses while the step applies its unit updates (on the CPU they run on the
+    training thread): cut there, the weights would hold half a step, saved as the step
+    before it. The step finishes, is saved, and the run stops: its checkpoint equals an
+    unbroken run's at that step."""
+    import os
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (a background job ignores it)")
+    cfg = tiny_config(
+        train={
+            "max_steps": 6,
+            "ckpt_interval": 0,
+            "eval_interval": 0,
+            "data": str(text_dataset),
+        },
+        model={"n_layer": 3},
+        swap={"layers_per_unit": 1, "update": update},
+    )
+    Trainer(cfg, tmp_path / "full", progress=False).run(max_steps=3)
+    trainer = Trainer(cfg, tmp_path / "cut", progress=False)
+    engine = trainer.engine
+    real, calls = engine._update, [0]
+
+    def update_unit(u, coef, lr):
+        calls[0] += 1
+        if calls[0] == 2 * len(engine.units) + 2:  # step 3, its second unit update
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)  # handled before kill returns
+        return real(u, coef, lr)
+
+    engine._update = update_unit
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert trainer.interrupt_checkpoint.name == "step_00000003"
+    assert calls[0] == 3 * len(engine.units)  # every unit of step 3 updated, none after
+    full, cut = final_params(tmp_path / "full"), final_params(tmp_path / "cut")
+    for name in full:
+        assert torch.equal(full[name], cut[name]), name
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ctrl_c_inside_a_long_step_is_honoured_within_seconds(tmp_path, text_dataset):

@@ -10,18 +10,16 @@ d_model 256, context 128, one layer per unit, prefetch 1) at micro-batch 4 x 1 a
 Each engine runs in its own process, as a user runs it (two engines in one process share
 OpenMP teams: the resident baseline slowed beside the swapped engine's threads, and the
 ratio read 1.06x where `atom train` against `atom train --resident` read 1.5x). Each
-round starts a fresh process per side (swapped, resident, swapped, ...), so machine noise
-hits both alike; after a warm-up it times --steps optimizer steps as training runs (back
-to back, the host optimizer overlapping the next step), until its last host work has
-finished (an engine kept alive and idle between short blocks read slower, unevenly).
-The ratio of the medians over rounds is reported, with
-the spread (min-max of per-round ratios). A swapped run with recompute
+round starts a fresh process per side; after a warm-up it times --steps optimizer steps
+as training runs (back to back), until its last host work has finished (an engine kept
+alive and idle between short blocks read slower, unevenly). On the CPU each round also
+runs `atom train` and `atom train --resident` on the same config (the median step_time_s
+of each run past its first 5 steps): the engines' ratio and theirs must agree. The sides
+of a round run in an order reversed every other round, and a ratio is the median of the
+per-round ratios with their spread (min-max), so the phases of a shared machine weigh on
+both sides of a pair alike (bench_config says more). A swapped run with recompute
 (swap.checkpoint: true) is compared with a resident run that also recomputes (activation
 checkpointing per block), so the ratio is the cost of swapping, not of recomputing.
-
-On the CPU it then runs `atom train` and `atom train --resident` on the same config,
---cli-rounds interleaved pairs, and reports their ratio (median step_time_s of each run
-past its first 5 steps) beside the engines' own: the two must agree.
 
 Per configuration it also reports:
 - H2D bytes per step (counted per copy) and the minimum: every unit once for the forward
@@ -219,41 +217,62 @@ class _Side:
 
 
 def bench_config(
-    cfg: Config, rounds: int, steps: int, resident_too: bool = True, gpu_mem: str | None = None
+    cfg: Config,
+    rounds: int,
+    steps: int,
+    resident_too: bool = True,
+    gpu_mem: str | None = None,
+    cli_rounds: int = 0,
+    cli_steps: int = 20,
 ) -> dict:
     """Swapped and resident engines, each in a process of its own (as a user runs them:
     two engines in one process share OpenMP teams, and the resident baseline measured
-    beside a swapped engine's threads ran slower, flattering the ratio). Each round starts
-    a fresh process per side, warms it up and times `steps` steps back to back, the sides
-    alternating: an engine kept idle between short blocks read slower than one that runs
-    on, and not alike for both sides."""
-    names = ["swapped", "resident"] if resident_too else ["swapped"]
-    times: dict[str, list[float]] = {k: [] for k in names}
+    beside a swapped engine's threads ran slower, flattering the ratio); in the first
+    `cli_rounds` rounds also `atom train` and `atom train --resident`.
+
+    Each round runs every side once, each in a fresh process that warms up and times
+    `steps` steps back to back, in an order reversed every other round (A B C D, D C B A:
+    a shared machine that speeds up or slows down within a round weighs on both sides of
+    each pair alike). A ratio is the median of the per-round ratios, whose two sides ran
+    seconds apart, with their spread (min-max): on a shared VM the step time of one side
+    alone moved 1.7x between phases of seconds, so ratios of medians taken at different
+    times (the engines' rounds first, `atom train`'s after) disagreed by up to 30%."""
+    sides = [("engine", "swapped")] + ([("engine", "resident")] if resident_too else [])
+    if resident_too and cli_rounds:
+        sides += [("cli", "swapped"), ("cli", "resident")]
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in sides}
     stats: dict = {}
-    for r in range(rounds):
-        for name in list(names):
-            side = _Side(name, cfg, gpu_mem)
-            try:
-                reply = side.ask(f"run {steps}") if side.ready else {"oom": True}
-                if reply.get("oom"):
-                    if name == "swapped":
-                        raise RuntimeError("the swapped engine does not fit the device")
-                    log.warning("resident training does not fit: out of device memory")
-                    names.remove(name)
-                    times.pop(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = _cli_config(cfg, tmp) if cli_rounds else None
+        for r in range(rounds):
+            for kind, name in sides if r % 2 == 0 else sides[::-1]:
+                if (kind, name) not in times or (kind == "cli" and r >= cli_rounds):
                     continue
-                times[name].append(reply["s_per_step"])
-                if name == "swapped" and r == rounds - 1:
-                    stats = side.ask("stats")
-            finally:
-                side.close()
+                if kind == "cli":
+                    times[kind, name].append(_cli_run(config, name, cli_steps, f"{tmp}/{r}"))
+                    continue
+                side = _Side(name, cfg, gpu_mem)
+                try:
+                    reply = side.ask(f"run {steps}") if side.ready else {"oom": True}
+                    if reply.get("oom"):
+                        if name == "swapped":
+                            raise RuntimeError("the swapped engine does not fit the device")
+                        log.warning("resident training does not fit: out of device memory")
+                        for gone in [k for k in times if k[1] == "resident"]:
+                            times.pop(gone)
+                        continue
+                    times[kind, name].append(reply["s_per_step"])
+                    if name == "swapped" and r == rounds - 1:
+                        stats = side.ask("stats")
+                finally:
+                    side.close()
     per = stats["per_step"]
     h2d_min, d2h_min = stats["min_traffic"]
     result = {
         "swap": cfg.to_dict()["swap"],
         "micro_batch": cfg.train.micro_batch,
         "grad_accum": cfg.train.grad_accum,
-        "swapped_step_s": statistics.median(times["swapped"]),
+        "swapped_step_s": statistics.median(times["engine", "swapped"]),
         "h2d_bytes_per_step": per["h2d"],
         "h2d_min_bytes": h2d_min,
         "d2h_copies_per_step": per["d2h_copies"],
@@ -262,14 +281,17 @@ def bench_config(
         "load_wait_s_per_step": per["load_wait"],
         "exposed_host_s_per_step": per["opt_wait"] + per["norm_wait"],
         "device_peak_bytes": stats["device_peak_bytes"],
+        "resident_step_s": None,
     }
-    if "resident" in times:
-        ratios = [s / r for s, r in zip(times["swapped"], times["resident"], strict=True)]
-        result["resident_step_s"] = statistics.median(times["resident"])
-        result["ratio"] = result["swapped_step_s"] / result["resident_step_s"]
-        result["ratio_spread"] = [min(ratios), max(ratios)]
-    else:
-        result["resident_step_s"] = None
+    for kind, prefix in (("engine", ""), ("cli", "cli_")):
+        if (kind, "resident") not in times or not times[kind, "resident"]:
+            continue
+        swapped, resident = times[kind, "swapped"], times[kind, "resident"]
+        ratios = [s / r for s, r in zip(swapped, resident, strict=False)]
+        result[f"{prefix}swapped_step_s"] = statistics.median(swapped)
+        result[f"{prefix}resident_step_s"] = statistics.median(resident)
+        result[f"{prefix}ratio"] = statistics.median(ratios)
+        result[f"{prefix}ratio_spread"] = [min(ratios), max(ratios)]
     tokens = cfg.train.micro_batch * cfg.train.grad_accum * cfg.model.seq_len
     result["swapped_tokens_per_s"] = tokens / result["swapped_step_s"]
     if "pinned_h2d_bps" in stats:
@@ -280,11 +302,8 @@ def bench_config(
     return result
 
 
-def cli_ratio(cfg: Config, rounds: int, steps: int, tmp: str) -> dict:
-    """`atom train` against `atom train --resident`, each its own process as a user runs
-    it, interleaved: the median of each run's step_time_s (metrics.jsonl) past its first 5
-    steps; the ratio of the medians over rounds and the spread of per-round ratios."""
-    import subprocess
+def _cli_config(cfg: Config, tmp: str) -> str:
+    """cfg as a YAML file for `atom train --config`, without evaluation or checkpoints."""
     from pathlib import Path
 
     import yaml
@@ -293,25 +312,22 @@ def cli_ratio(cfg: Config, rounds: int, steps: int, tmp: str) -> dict:
     data = cfg.to_dict()
     data["train"].update(eval_interval=0, ckpt_interval=0, max_steps=10**6)
     config.write_text(yaml.safe_dump(data))
-    medians: dict[str, list[float]] = {"swapped": [], "resident": []}
-    for r in range(rounds):
-        for side in medians:
-            out = Path(tmp) / f"run_{side}_{r}"
-            argv = [sys.executable, "-m", "atom.cli", "train", "--config", str(config),
-                    "--max-steps", str(steps + 5), "--out", str(out), "--no-progress"]  # fmt: skip
-            if side == "resident":
-                argv.append("--resident")
-            subprocess.run(argv, check=True, capture_output=True)
-            with open(out / "metrics.jsonl") as f:
-                times = [json.loads(line)["step_time_s"] for line in f][5:]
-            medians[side].append(statistics.median(times))
-    ratios = [s / r for s, r in zip(medians["swapped"], medians["resident"], strict=True)]
-    return {
-        "cli_swapped_step_s": statistics.median(medians["swapped"]),
-        "cli_resident_step_s": statistics.median(medians["resident"]),
-        "cli_ratio": statistics.median(medians["swapped"]) / statistics.median(medians["resident"]),
-        "cli_ratio_spread": [min(ratios), max(ratios)],
-    }
+    return str(config)
+
+
+def _cli_run(config: str, side: str, steps: int, out: str) -> float:
+    """One `atom train` (side "resident": `--resident`) as a user runs it: the median of
+    its step_time_s (metrics.jsonl) past its first 5 steps."""
+    import subprocess
+
+    out = f"{out}_{side}"
+    argv = [sys.executable, "-m", "atom.cli", "train", "--config", config,
+            "--max-steps", str(steps + 5), "--out", out, "--no-progress"]  # fmt: skip
+    if side == "resident":
+        argv.append("--resident")
+    subprocess.run(argv, check=True, capture_output=True)
+    with open(f"{out}/metrics.jsonl") as f:
+        return statistics.median([json.loads(line)["step_time_s"] for line in f][5:])
 
 
 def _mib(n: float) -> str:
@@ -340,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-resident", action="store_true", help="swapped only (model too big)")
     ap.add_argument("--gpu-mem", default=None, help="cap device memory, e.g. 24GiB")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--cli-rounds", type=int, default=3,
-                    help="also `atom train` vs `atom train --resident`, interleaved, this "
-                         "many pairs per shape (0: skip)")  # fmt: skip
+    ap.add_argument("--cli-rounds", type=int, default=None,
+                    help="on the CPU also `atom train` vs `atom train --resident`, in this "
+                         "many of the rounds (default: every round; 0: none)")  # fmt: skip
     ap.add_argument("--cli-steps", type=int, default=20, help="timed steps per atom train run")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -375,13 +391,13 @@ def main(argv: list[str] | None = None) -> int:
                     train={"micro_batch": micro, "grad_accum": accum},
                     swap={"checkpoint": ck == "yes", "order": order},
                 )
+                cpu_pairs = args.cli_rounds if device.type == "cpu" else 0
                 r = bench_config(
-                    run_cfg, args.rounds, args.steps, not args.no_resident, args.gpu_mem
-                )
+                    run_cfg, args.rounds, args.steps, not args.no_resident, args.gpu_mem,
+                    args.rounds if cpu_pairs is None else cpu_pairs, args.cli_steps,
+                )  # fmt: skip
                 cli = "-"
-                if args.cli_rounds and not args.no_resident and device.type == "cpu":
-                    with tempfile.TemporaryDirectory() as tmp:
-                        r.update(cli_ratio(run_cfg, args.cli_rounds, args.cli_steps, tmp))
+                if "cli_ratio" in r:
                     lo, hi = r["cli_ratio_spread"]
                     cli = f"{r['cli_ratio']:.3f}x ({lo:.2f}-{hi:.2f})"
                 results.append(r)

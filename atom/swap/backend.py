@@ -6,8 +6,15 @@ overlaps compute, a slot reused only after the compute that read it has finished
 exercised by CPU tests in CI, not only on a GPU.
 
 A `Transfer` is a handle to an asynchronous copy. `wait_compute(t)` makes the compute
-stream wait for it (on CPU: blocks the computing thread); `wait_host(t)` blocks a host
-thread until the data has landed.
+stream wait for it (on CPU: runs it, or blocks the computing thread); `wait_host(t)`
+blocks a host thread until the data has landed.
+
+`inline`: the host work (copies, gradient landings, optimizer steps) runs on the thread
+that computes. The CPU backend's "device" is the host's own cores, so a helper thread
+overlaps nothing: its OpenMP team only fights the compute's team for the same cores (on 2
+cores every helper's memcpy or Adam step slowed the compute's matmuls around it). A
+CUDA device computes apart from the host, so there the copies and host work run on
+threads of their own, overlapping the device's compute.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class Transfer:
     error: BaseException | None = None
     result: torch.Tensor | None = None  # for D2H: the host tensor holding the data
     ready_wait_s: float = 0.0  # H2D: how long the copy waited for the host optimizer
+    job: Callable[[], None] | None = None  # a copy not yet run (inline: run when needed)
 
 
 def done_transfer(result: torch.Tensor | None = None) -> Transfer:
@@ -93,6 +101,7 @@ class Backend:
 
     device: torch.device
     name: str
+    inline: bool = False  # host work runs on the computing thread (see the module doc)
 
     def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -172,13 +181,18 @@ class Backend:
 
 
 class CpuBackend(Backend):
-    """The 'device' is host memory; H2D is a memcpy on a copy thread."""
+    """The 'device' is host memory. By default (`helper_threads=False`) a unit's H2D copy
+    is a memcpy run on the computing thread when the compute first needs the unit, and
+    the engine runs its host work there too (`inline`). `helper_threads=True` copies on a
+    thread of its own and leaves the engine its host worker thread: slower on the CPU, it
+    lets tests exercise the concurrency the CUDA backend relies on."""
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, helper_threads: bool = False) -> None:
         self.device = torch.device("cpu")
-        self._copier = _CopyWorker("atom-h2d")
+        self.inline = not helper_threads
+        self._copier = None if self.inline else _CopyWorker("atom-h2d")
         keep_freed_blocks()  # per-visit gradients would page-fault in again every step
 
     def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -195,10 +209,17 @@ class CpuBackend(Backend):
         t = Transfer()
 
         def job() -> None:
+            if self.inline and not all(ev.is_set() for ev in host_ready):
+                # only this thread could release the unit, and it is here: a wait would
+                # never end (an engine bug, said at once rather than after 10 minutes)
+                raise RuntimeError("a unit was loaded before its host update ran")
             t.ready_wait_s = _wait_events(host_ready)
             with _held(locks):
                 dst.copy_(src)
 
+        if self.inline:  # run when the compute first needs it: the data is then hot
+            t.job = job
+            return t
         return self._copier.submit(job, t)
 
     def d2h(self, src, after, abort=None) -> Transfer:
@@ -206,6 +227,13 @@ class CpuBackend(Backend):
         return done_transfer(src)
 
     def wait_compute(self, t: Transfer) -> None:
+        job, t.job = t.job, None
+        if job is not None:
+            try:
+                job()
+            except Exception as err:  # as the copy thread reports it
+                t.error = err
+            t.issued.set()
         _wait_issued(t)
 
     def wait_host(self, t: Transfer) -> torch.Tensor | None:
@@ -213,7 +241,8 @@ class CpuBackend(Backend):
         return t.result
 
     def close(self) -> None:
-        self._copier.close()
+        if self._copier is not None:
+            self._copier.close()
 
 
 @contextmanager

@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -40,7 +39,7 @@ from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.host_store import HostStore, gather_owned
 from atom.swap.host_worker import HostWorker
 from atom.swap.loss_scaler import LossScaler
-from atom.swap.schedule import GradRun, StepPlan
+from atom.swap.schedule import GradRun, StepPlan, StepState
 from atom.swap.slots import DeviceSlots, Held, MemoryLedger, params_saved_by_slot
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
@@ -54,19 +53,6 @@ def _sq_norm(t: torch.Tensor) -> float:
     if t.dtype == torch.float32:
         return float(torch.dot(t, t))
     return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
-
-
-@dataclass
-class _StepState:
-    """What one step carries between visits, per micro-batch."""
-
-    loss_sum: torch.Tensor
-    h: dict = field(default_factory=dict)  # micro -> hidden state at the forward frontier
-    targets: dict = field(default_factory=dict)  # micro -> targets, until the head
-    docs: dict = field(default_factory=dict)  # micro -> Documents (packed rows) or None
-    grad_h: dict = field(default_factory=dict)  # micro -> gradient at the backward frontier
-    saved: dict = field(default_factory=dict)  # (unit, micro) -> checkpoint or graph
-    acc: dict = field(default_factory=dict)  # unit -> (flat device gradient, its views)
 
 
 class SwapEngine:
@@ -98,10 +84,14 @@ class SwapEngine:
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self.timing = resolve_timing(cfg.swap.update, cfg.train.grad_clip, self.scaler is not None)
         self.eager_clip = EagerClip(cfg.train.grad_clip)
-        self.worker = HostWorker(self._unblock_all, host_worker_threads(backend.device.type))
+        self.worker = HostWorker(
+            self._unblock_all, host_worker_threads(backend.device.type), inline=backend.inline
+        )
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
-        self._updating = False  # this step has queued a unit update (it can no longer stop)
+        # from a step's first queued unit update to its end: it can no longer stop, and
+        # Ctrl+C waits for its end (engine_protocol.Engine.committed)
+        self.committed = False
         self._plans: dict[tuple, StepPlan] = {}
         self._scratch: torch.Tensor | None = None  # host fp32, for mixed-dtype landings
         # per-parameter views of each unit's host gradient, in unit.params order
@@ -185,7 +175,6 @@ class SwapEngine:
             if not self.slots.has(unit):
                 self._load(unit)
 
-    # ------------------------------------------------------------------ hooks
     # ------------------------------------------------------------------ one step
     def train_step(
         self,
@@ -199,7 +188,7 @@ class SwapEngine:
         is queued (no clipping, or eager): after that it runs to its end, or a checkpoint
         of the previous step would hold some units of this one."""
         self.worker.check()
-        self._updating = False
+        self.committed = False
         self._lr = lr
         n_micro = len(batches)
         N = len(self.units)
@@ -207,12 +196,12 @@ class SwapEngine:
         scale = (self.scaler.scale if self.scaler else 1.0) / n_micro
         if self.timing != EAGER:  # eager: the worker resets it when it closes a step
             self._norm_sq = [0.0] * N
-        st = _StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
+        st = StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
         try:
             self._advance(plan, -1, None)
             for pos, v in enumerate(plan.visits):
-                if stop is not None and not self._updating and stop():
+                if stop is not None and not self.committed and stop():
                     raise KeyboardInterrupt
                 m, u = v.micro, v.unit
                 if v.phase == "f" and u == 0:
@@ -239,10 +228,19 @@ class SwapEngine:
             self.slots.release_all()
         except BaseException:
             self._abandon_step(ledger_at_start, st)
+            self.committed = False
             raise
-        return self._finish_step(st.loss_sum, n_micro)
+        try:
+            return self._finish_step(st.loss_sum, n_micro)
+        except BaseException:
+            # an update cut short (inline, by a Ctrl+C not held off) never releases its
+            # unit: a later load or checkpoint would wait for it
+            self._unblock_all()
+            raise
+        finally:
+            self.committed = False
 
-    def _abandon_step(self, ledger_at_start: int, st: _StepState) -> None:
+    def _abandon_step(self, ledger_at_start: int, st: StepState) -> None:
         """A step that raised (a bad batch, an OOM, Ctrl+C inside it) leaves nothing
         half-done: slots are freed, the device finishes what was issued (an offload copy
         may still be writing a host buffer), offloaded inputs go back to their pool, the
@@ -363,7 +361,7 @@ class SwapEngine:
         if last:
             buf.ready.clear()  # the next copy of this unit must wait for its update
             if self.timing != EXACT:
-                self._updating = True  # the landing below updates the unit
+                self.committed = True  # the landing below updates the unit
                 if self.tier is not None:
                     self.tier.prefetch(u)  # its update follows the landing on the worker
 
@@ -436,10 +434,11 @@ class SwapEngine:
     def _finish_step(self, loss_sum: torch.Tensor, n_micro: int) -> StepResult:
         loss = float(loss_sum) / n_micro
         if self.timing == EAGER:
+            norm = self.eager_clip.norm  # the previous step's (inline, the next line sets it)
             # Runs on the worker after this step's gradients have all landed and before any
             # of the next step's (FIFO): the next step's updates clip by this step's norm.
             self.worker.submit(self._close_eager_step)
-            return StepResult(loss=loss, grad_norm=self.eager_clip.norm)
+            return StepResult(loss=loss, grad_norm=norm)
         if self.timing == IMMEDIATE:
             return StepResult(loss=loss, grad_norm=None)
         t0 = time.perf_counter()
@@ -455,6 +454,7 @@ class SwapEngine:
             return StepResult(loss=loss, grad_norm=total, skipped=True)
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
+        self.committed = True  # inline (CPU), the updates below run now
         for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
             if self.tier is not None:
                 self.tier.prefetch(u)  # reads run ahead of the worker, in its order

@@ -12,12 +12,14 @@ head runs forward and backward at once), "b" runs a unit backward. Two orders:
 
 With one micro-batch the two are the same order. Gradient "runs" are maximal stretches of
 consecutive gradient-producing visits of one unit: a run accumulates on the device and
-ends with one device-to-host copy.
+ends with one device-to-host copy. `StepState` is what a step carries along its visits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -120,3 +122,16 @@ class StepPlan:
     def evaluation(cls, n_units: int, n_batches: int, depth: int) -> StepPlan:
         visits = eval_order(n_units, n_batches)
         return cls(visits, {}, prefetch_windows(visits, depth))
+
+
+@dataclass
+class StepState:
+    """What one step carries between visits, per micro-batch."""
+
+    loss_sum: torch.Tensor
+    h: dict = field(default_factory=dict)  # micro -> hidden state at the forward frontier
+    targets: dict = field(default_factory=dict)  # micro -> targets, until the head
+    docs: dict = field(default_factory=dict)  # micro -> Documents (packed rows) or None
+    grad_h: dict = field(default_factory=dict)  # micro -> gradient at the backward frontier
+    saved: dict = field(default_factory=dict)  # (unit, micro) -> checkpoint or graph
+    acc: dict = field(default_factory=dict)  # unit -> (flat device gradient, its views)
