@@ -282,6 +282,7 @@ def bench_config(
         "exposed_host_s_per_step": per["opt_wait"] + per["norm_wait"],
         "device_peak_bytes": stats["device_peak_bytes"],
         "resident_step_s": None,
+        "per_round_s": {f"{kind} {name}": t for (kind, name), t in times.items()},
     }
     for kind, prefix in (("engine", ""), ("cli", "cli_")):
         if (kind, "resident") not in times or not times[kind, "resident"]:
