@@ -24,6 +24,8 @@ EXPECTED_M = {
     "gpt3-6.7b": 6658.4,
     "llama-1b": 1100.0,
     "llama-7b": 6738.4,
+    "llama-3.1-8b": 8030.3,  # Meta: 8.03B
+    "qwen2.5-7b": 7615.6,  # Qwen: 7.61B
 }
 
 
