@@ -175,14 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| rank | layers/unit | prefetch | micro-batch x accum | order | checkpoint | "
-        "predicted s | measured s | vs best | other users' CPU |"
+        "resident units | host state | predicted s | measured s | vs best | other users' CPU |"
     )
-    print("|---:|---:|---:|---:|:---:|:---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|:---:|:---:|---:|:---:|---:|---:|---:|---:|")
     for i, (c, p, m, _) in enumerate(rows[:10], 1):
         mark = " (chosen)" if (c, p, m, _) == chosen else ""
         print(
             f"| {i}{mark} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x "
-            f"{c.grad_accum} | {c.order} | {c.checkpoint} | {p.step_s:.4f} | {m:.4f} | "
+            f"{c.grad_accum} | {c.order} | {c.checkpoint} | {c.resident_units} | {c.state} | "
+            f"{p.step_s:.4f} | {m:.4f} | "
             f"{m / best:.3f}x | "
             f"{foreign[c]:.1%} |"
         )
