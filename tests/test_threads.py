@@ -150,3 +150,40 @@ def test_an_interrupt_inside_an_inline_update_leaves_no_unit_waiting():
         assert time.monotonic() - t0 < 30
     finally:
         engine.close()
+
+
+def test_an_interrupt_inside_an_inline_copy_abandons_the_step_at_once():
+    """Ctrl+C while the compute thread runs a unit's copy (or waits for a peer's merge to
+    let go of the unit): the step is abandoned, its slots released without waiting for
+    the cut copy (that release waited 10 minutes), and the next step trains."""
+    import time
+
+    from atom.swap.backend import CpuBackend
+    from atom.swap.engine import SwapEngine
+    from tests.conftest import tiny_config
+    from tests.test_swap_equivalence import batches_for
+
+    cfg = tiny_config()
+    backend = CpuBackend()
+    engine = SwapEngine(cfg, backend, torch.float32)
+    real, calls = backend.h2d, [0]
+
+    def h2d(dst, src, after, host_ready, locks=()):
+        t = real(dst, src, after, host_ready, locks)
+        calls[0] += 1
+        if calls[0] == 3:
+            def interrupted() -> None:
+                raise KeyboardInterrupt
+
+            t.job = interrupted
+        return t
+
+    backend.h2d = h2d
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            engine.train_step(batches_for(0, cfg), 1e-3)
+        assert engine.train_step(batches_for(1, cfg), 1e-3).loss > 0
+        assert time.monotonic() - t0 < 30
+    finally:
+        engine.close()

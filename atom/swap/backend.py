@@ -233,7 +233,8 @@ class CpuBackend(Backend):
                 job()
             except Exception as err:  # as the copy thread reports it
                 t.error = err
-            t.issued.set()
+            finally:  # also when Ctrl+C cut it: the step is abandoned and its slot released
+                t.issued.set()  # without this, that release waited 10 minutes
         _wait_issued(t)
 
     def wait_host(self, t: Transfer) -> torch.Tensor | None:
