@@ -107,10 +107,18 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
     total = a.host_bytes(dtype, c.state, c.disk_tier)
     if cuda:
-        total += 3 * a.largest_unit * 4  # pinned D2H staging buffers (fp32 when summed)
+        total += staging_bytes(a, c, dtype)
     if c.offload_activations:
         total += offloaded_bytes(a, c, dtype)
     return total
+
+
+def staging_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
+    """The pinned D2H staging pool (CUDA): one unit's gradient in the widest dtype that
+    crosses (the compute dtype; fp32 sums of several micro-batches, which compact state
+    rounds to bf16 as they cross)."""
+    item = dtype_bytes(dtype) if c.state == "compact" else 4
+    return a.largest_unit * item
 
 
 def offloaded_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
@@ -181,7 +189,8 @@ def predict(
         0.0 if i < kept or u.index in pinned else u.n_total * dt / dup
         for i, u in enumerate(reversed(body))
     ]
-    grad_bytes = 4 if per_pass > 1 else dt  # summed over micro-batches in fp32 on the device
+    # summed over micro-batches in fp32 on the device (compact: rounded to bf16 as it crosses)
+    grad_bytes = (2 if c.state == "compact" else 4) if per_pass > 1 else dt
     d2h = sum(u.n_total * grad_bytes / hw.d2h_bps for u in units) if cuda else 0.0
     bwd, bwd_bus = _pipeline(bwd_c, bwd_x, c.prefetch)
     bwd = max(bwd, d2h)
@@ -247,13 +256,19 @@ def predict(
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
             "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
+            # activation offload: each checkpointed unit input goes to the host and back
+            "offload_bytes_per_step": (
+                2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * c.grad_accum
+                if c.offload_activations and cuda
+                else 0
+            ),
             "disk_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
             "disk_io_s": disk_io,
             # page-locked on CUDA: every unit's compute copy, the D2H staging pool and
             # the offloaded unit inputs' buffers
             "pinned_bytes": (
                 sum(u.n_total for u in units) * dt
-                + 3 * a.largest_unit * 4
+                + staging_bytes(a, c, dtype)
                 + (offloaded_bytes(a, c, dtype) if c.offload_activations else 0)
             )
             if cuda

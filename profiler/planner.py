@@ -222,14 +222,16 @@ def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dty
         # those prefer the fewest bytes over the bus (copies compete with the host optimizer
         # for DRAM bandwidth, which the model does not charge: on the H100 machine a
         # unit-major plan ran 1.1-1.5x faster than the micro-batch-major one it tied with),
-        # then the smallest device footprint (headroom against fragmentation).
+        # weights and offloaded activations alike (an offload also pins its buffers), then
+        # the smallest device footprint (headroom against fragmentation).
         fastest = min(s.prediction.step_s for s in ok)
 
         def rank(s: Scored) -> tuple:
             p = s.prediction
             if p.step_s > fastest * 1.01:
                 return (True, p.step_s, 0)
-            return (False, p.detail.get("h2d_bytes_per_step", 0), p.peak_device_bytes)
+            bus = p.detail.get("h2d_bytes_per_step", 0) + p.detail.get("offload_bytes_per_step", 0)
+            return (False, bus, p.peak_device_bytes)
 
         return sorted(ok, key=rank)
     raise Infeasible(explain_infeasible(scored, hw, cfg, dtype))

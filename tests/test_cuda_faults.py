@@ -64,7 +64,7 @@ def _reference(cfg, steps: int = 2):
 
 
 def test_a_failing_host_worker_ends_the_step_in_seconds_with_its_error(monkeypatch):
-    """The first update fails once the training thread holds every staging buffer and
+    """The first update fails once the training thread holds every staging chunk and
     waits for another; landings are queued behind it. The step must end with the
     update's own error, within seconds (it used to wait 600 s, then raise queue.Empty)."""
     cfg = _config(train={"grad_clip": 0.0, "grad_accum": 1})  # updates run as grads land
@@ -97,7 +97,7 @@ def test_a_failing_host_worker_ends_the_step_in_seconds_with_its_error(monkeypat
     assert isinstance(err, RuntimeError) and "planted" in str(err), repr(err)
     assert isinstance(err.__cause__, OSError)
     # every staging buffer came back: nothing leaked for a later step or the close
-    assert backend._staging.qsize() == 3
+    assert backend._staging.qsize() == backend._staging_chunks
     with pytest.raises(RuntimeError, match="planted"):  # close says it again, and still
         engine.close()
     assert sim.registered == {}  # lets go of the pinned memory
@@ -268,31 +268,35 @@ def _one_late_step(monkeypatch, cfg, delay: float):
 
 
 def test_a_planted_read_before_the_copy_completes_is_caught(monkeypatch):
-    """wait_host forgets the D2H event: the host worker reads a staging buffer the copy
-    is still writing."""
+    """host_pieces forgets a chunk's D2H event: the host worker reads a staging chunk the
+    copy is still writing."""
     from atom.swap import backend as backend_mod
 
     def no_wait(self, t):
         backend_mod._wait_issued(t)
-        return t.result
+        for offset, host, _ev, buf in t.pieces:
+            yield offset, host
+            self._give_back(t, buf)
 
-    monkeypatch.setattr(CudaBackend, "wait_host", no_wait)
+    monkeypatch.setattr(CudaBackend, "host_pieces", no_wait)
     sim = _one_late_step(monkeypatch, _config(), delay=0.01)
     assert any("on the host reads" in v and "before waiting" in v for v in sim.violations), (
         sim.violations[:3]
     )
 
 
-def test_a_planted_reuse_of_a_staging_buffer_is_caught(monkeypatch):
-    """d2h hands its staging buffer back as soon as the copy is issued: the next gradient
-    copy overwrites it while the landing that owns it has not read it yet."""
+def test_a_planted_reuse_of_a_staging_chunk_is_caught(monkeypatch):
+    """d2h hands its staging chunks back as soon as their copies are issued: the next
+    gradient copy overwrites them while the landing that owns them has not read them."""
     real_d2h = CudaBackend.d2h
 
-    def early_release(self, src, after, abort=None):
-        t = real_d2h(self, src, after, abort)
-        with self._staging.not_empty:  # back at the front: the very next copy takes it
-            self._staging.queue.appendleft(t._buf)
+    def early_release(self, src, after, abort=None, dtype=None):
+        t = real_d2h(self, src, after, abort, dtype)
+        with self._staging.not_empty:  # back at the front: the very next copy takes them
+            for buf in t.held:
+                self._staging.queue.appendleft(buf)
             self._staging.not_empty.notify()
+        t.held = []
         return t
 
     monkeypatch.setattr(CudaBackend, "d2h", early_release)

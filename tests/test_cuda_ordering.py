@@ -140,7 +140,9 @@ def test_a_gradient_copied_out_before_it_is_written_is_caught(monkeypatch):
     may not have finished writing."""
     real_d2h = CudaBackend.d2h
     monkeypatch.setattr(
-        CudaBackend, "d2h", lambda self, src, after, abort=None: real_d2h(self, src, None, abort)
+        CudaBackend,
+        "d2h",
+        lambda self, src, after, abort=None, dtype=None: real_d2h(self, src, None, abort, dtype),
     )
     backend, sim = cuda_backend(monkeypatch, 1 << 16)
     _train(_config({}), backend, sim, steps=1)

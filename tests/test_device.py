@@ -90,7 +90,7 @@ def test_cuda_backend_accepts_a_bare_cuda_device(monkeypatch):
         "empty",
         lambda *a, pin_memory=False, **k: real_empty(*a, **k),
     )
-    b = backend_mod.CudaBackend(torch.device("cuda"), 16, torch.bfloat16, staging_buffers=1)
+    b = backend_mod.CudaBackend(torch.device("cuda"), 16, torch.bfloat16, staging_chunks=1)
     try:
         assert b.device == torch.device("cuda", 0)
         assert fake.set_to == torch.device("cuda", 0)
@@ -150,7 +150,8 @@ def test_pinned_arena_is_one_registration_sized_like_its_buffers(monkeypatch):
 
 def test_swap_engine_on_cuda_pins_its_units_in_one_arena(monkeypatch):
     """HostStore asks the CUDA backend for every bus buffer at once: the pinned bytes are
-    the units' compute copies plus the D2H staging pool, within 5%."""
+    the units' compute copies plus the D2H staging pool (one unit's gradient in the
+    compute dtype, what crosses when nothing is summed on the device), within 5%."""
     from atom.model import build_model
     from atom.swap import backend as backend_mod
     from atom.swap.host_store import HostStore
@@ -166,7 +167,7 @@ def test_swap_engine_on_cuda_pins_its_units_in_one_arena(monkeypatch):
     try:
         store = HostStore(units, b, torch.bfloat16)
         units_bytes = sum(u.n_total for u in units) * 2
-        staging = 3 * largest * 4
+        staging = largest * 2
         assert len(cudart.registered) == 1
         assert units_bytes + staging <= b.pinned_bytes <= (units_bytes + staging) * 1.05
         assert all(buf.compute.dtype == torch.bfloat16 for buf in store.buffers)

@@ -281,11 +281,11 @@ class _FailingD2H(CpuBackend):
         super().__init__()
         self.calls, self.fail_at = 0, fail_at
 
-    def d2h(self, t, after, abort=None):
+    def d2h(self, t, after, abort=None, dtype=None):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected failure")
-        return super().d2h(t, after, abort)
+        return super().d2h(t, after, abort, dtype)
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0])

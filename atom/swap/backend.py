@@ -6,8 +6,8 @@ overlaps compute, a slot reused only after the compute that read it has finished
 exercised by CPU tests in CI, not only on a GPU.
 
 A `Transfer` is a handle to an asynchronous copy. `wait_compute(t)` makes the compute
-stream wait for it (on CPU: runs it, or blocks the computing thread); `wait_host(t)`
-blocks a host thread until the data has landed.
+stream wait for it (on CPU: runs it, or blocks the computing thread); a D2H transfer's
+`host_pieces(t)` hands a host thread its data piece by piece as each piece lands.
 
 `inline`: the host work (copies, gradient landings, optimizer steps) runs on the thread
 that computes. The CPU backend's "device" is the host's own cores, so a helper thread
@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -40,9 +40,12 @@ class Transfer:
     issued: threading.Event = field(default_factory=threading.Event)
     cuda_event: object | None = None  # torch.cuda.Event once issued (CUDA backend)
     error: BaseException | None = None
-    result: torch.Tensor | None = None  # for D2H: the host tensor holding the data
+    result: torch.Tensor | None = None  # CPU D2H: the data itself (no copy is made)
     ready_wait_s: float = 0.0  # H2D: how long the copy waited for the host optimizer
     job: Callable[[], None] | None = None  # a copy not yet run (inline: run when needed)
+    # CUDA D2H: (element offset, host view, its copy's event, staging chunk), in order
+    pieces: list = field(default_factory=list)
+    held: list = field(default_factory=list)  # staging chunks not yet handed back
 
 
 def done_transfer(result: torch.Tensor | None = None) -> Transfer:
@@ -109,9 +112,10 @@ class Backend:
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def size_staging(self, numel: int) -> None:
-        """The largest gradient (elements) that will come back at once: the engine says it
-        before it asks for host memory (a backend without a staging pool ignores it)."""
+    def size_staging(self, numel: int, dtype: torch.dtype | None = None) -> None:
+        """The largest gradient that will come back at once, in elements of the widest
+        dtype that crosses: the engine says it before it asks for host memory (a backend
+        without a staging pool ignores it)."""
 
     def alloc_host_many(self, requests: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
         """Every host buffer that crosses the bus, asked for at once (one arena on CUDA)."""
@@ -142,13 +146,23 @@ class Backend:
         src: torch.Tensor | list[torch.Tensor],
         after: object | None,
         abort: Callable[[], None] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> Transfer:
         """Copy device `src` (one flat tensor, or a list of tensors laid out back to back)
-        to host; `Transfer.result` is the host data: a tensor, or on the CPU backend the
-        list itself. The caller hands it back with `release_host` once consumed (once:
-        a second release is ignored). `abort` is called while waiting for a free host
-        buffer and raises to give up (the consumer of those buffers has failed)."""
+        to host; `host_pieces` hands the data over. The caller hands the transfer back
+        with `release_host` once consumed (once: a second release is ignored). `abort` is
+        called while waiting for a free host buffer and raises to give up (the consumer
+        of those buffers has failed). `dtype`: cross in this dtype, converted on the
+        device (a backend without a bus may hand over `src` as it is)."""
         raise NotImplementedError
+
+    def host_pieces(self, t: Transfer) -> Iterator[tuple[int, torch.Tensor | list[torch.Tensor]]]:
+        """A D2H transfer's data on a host thread, in order, each piece once it has landed:
+        (element offset into the flat gradient, a host tensor; or, on the CPU backend, at
+        offset 0, what d2h was given). A piece's host memory may be reused once the
+        consumer asks for the next one."""
+        _wait_issued(t)
+        yield 0, t.result
 
     def release_host(self, t: Transfer) -> None:
         pass
@@ -165,9 +179,6 @@ class Backend:
         buffer goes back to the pool rather than being freed under a pending copy."""
 
     def wait_compute(self, t: Transfer) -> None:
-        raise NotImplementedError
-
-    def wait_host(self, t: Transfer) -> torch.Tensor | None:
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -222,7 +233,7 @@ class CpuBackend(Backend):
             return t
         return self._copier.submit(job, t)
 
-    def d2h(self, src, after, abort=None) -> Transfer:
+    def d2h(self, src, after, abort=None, dtype=None) -> Transfer:
         # The gradient already lives in host memory: hand the tensor(s) over, no copy.
         return done_transfer(src)
 
@@ -236,10 +247,6 @@ class CpuBackend(Backend):
             finally:  # also when Ctrl+C cut it: the step is abandoned and its slot released
                 t.issued.set()  # without this, that release waited 10 minutes
         _wait_issued(t)
-
-    def wait_host(self, t: Transfer) -> torch.Tensor | None:
-        _wait_issued(t)
-        return t.result
 
     def close(self) -> None:
         if self._copier is not None:
@@ -275,8 +282,10 @@ def _wait_event(ev: threading.Event) -> None:
 class CudaBackend(Backend):
     """Copy stream for H2D, one for D2H, and the current stream for compute.
 
-    Host buffers are pinned so copies are true DMA and overlap compute; D2H lands in a
-    small pool of pinned staging buffers that the host consumer returns when done."""
+    Host buffers are pinned so copies are true DMA and overlap compute. D2H lands in a
+    pinned staging pool of one unit's gradient, cut in chunks: a gradient crosses chunk
+    by chunk, the host consumer lands each chunk as its copy completes and hands it back,
+    so the next unit's copy reuses it while the landing goes on (`host_pieces`)."""
 
     name = "cuda"
 
@@ -285,7 +294,7 @@ class CudaBackend(Backend):
         device: torch.device,
         staging_numel: int = 0,  # or, before host memory is asked for, size_staging()
         staging_dtype: torch.dtype = torch.float32,
-        staging_buffers: int = 3,
+        staging_chunks: int = 8,
     ):
         if device.index is None:  # set_device and per-device stats need an index
             device = torch.device("cuda", torch.cuda.current_device())
@@ -296,12 +305,16 @@ class CudaBackend(Backend):
         self.d2h_stream = torch.cuda.Stream(device)
         self._copier = _CopyWorker("atom-h2d")
         # Why a fixed pool: unbounded staging would let D2H run ahead of the host optimizer
-        # and grow pinned memory without limit. Raw bytes: gradients come back in the
-        # compute dtype, or fp32 when several micro-batches were summed on the device.
-        self._staging_item = max(4, torch.empty(0, dtype=staging_dtype).element_size())
-        self._staging_buffers, self._staging_numel = staging_buffers, 0
+        # and grow pinned memory without limit. Why one unit, in chunks: three whole
+        # buffers of the largest unit in fp32 were 9.7 GB of the 21.6 GB pinned for a 7B.
+        # Raw bytes: gradients come back in the compute dtype, or fp32 when several
+        # micro-batches were summed on the device (the engine says which: size_staging).
+        self._staging_item = torch.empty(0, dtype=staging_dtype).element_size()
+        self._staging_chunks, self._staging_numel = staging_chunks, 0
+        self._chunk_bytes = 0
         self.size_staging(staging_numel)
         self._staging: queue.Queue | None = None
+        self._release_lock = threading.Lock()
         self._arenas: list = []
         self.pinned_bytes = 0
         # activation offload: pinned host buffers by (shape, dtype), reused every step
@@ -310,10 +323,16 @@ class CudaBackend(Backend):
         self.time_copies = False
         self._timed: list[tuple[object, object, int]] = []
 
-    def size_staging(self, numel: int) -> None:
-        self._staging_numel = max(self._staging_numel, numel)  # a caller's larger size stays
-        nbytes = self._staging_numel * self._staging_item
-        self._staging_request = [(nbytes, torch.uint8)] * self._staging_buffers
+    def size_staging(self, numel: int, dtype: torch.dtype | None = None) -> None:
+        # a caller's larger size stays
+        self._staging_numel = max(self._staging_numel, numel)
+        if dtype is not None:
+            self._staging_item = max(self._staging_item, torch.empty(0, dtype=dtype).element_size())
+        total = self._staging_numel * self._staging_item
+        # whole elements of any dtype that crosses, and 512-byte aligned for the DMA engine
+        chunk = -(-total // self._staging_chunks)
+        self._chunk_bytes = -(-chunk // 512) * 512
+        self._staging_request = [(self._chunk_bytes, torch.uint8)] * self._staging_chunks
 
     def alloc_device(self, numel, dtype):
         return torch.empty(numel, dtype=dtype, device=self.device)
@@ -368,34 +387,63 @@ class CudaBackend(Backend):
 
         return self._copier.submit(job, t)
 
-    def d2h(self, src, after, abort=None) -> Transfer:
-        srcs = [src] if isinstance(src, torch.Tensor) else list(src)
+    def d2h(self, src, after, abort=None, dtype=None) -> Transfer:
+        srcs = [t.reshape(-1) for t in ([src] if isinstance(src, torch.Tensor) else src)]
         numel = sum(t.numel() for t in srcs)
-        dtype = srcs[0].dtype
+        dtype = dtype or srcs[0].dtype
+        item = torch.empty(0, dtype=dtype).element_size()
         if self._staging is None:  # no host buffers were asked for (profiler probes)
             self.alloc_host_many([])
-        buf = self._free_staging(abort)
-        host = buf[: numel * srcs[0].element_size()].view(dtype)
-        with torch.cuda.stream(self.d2h_stream):
-            if after is not None:
-                self.d2h_stream.wait_event(after)
-            offset = 0
-            for t in srcs:
-                host[offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
-                offset += t.numel()
-            ev = torch.cuda.Event(blocking=True)  # the host worker sleeps on it (wait_host)
-            ev.record(self.d2h_stream)
-        # srcs were made on the compute stream; keep the allocator from reusing them early.
-        for t in srcs:
-            t.record_stream(self.d2h_stream)
-        t = Transfer(cuda_event=ev, result=host)
-        t._buf = buf  # type: ignore[attr-defined]
+        per = self._chunk_bytes // item  # elements per chunk
+        if numel > per * self._staging_chunks:
+            # waiting for chunks this very gradient would hold could never end
+            raise RuntimeError(
+                f"a {numel * item}-byte gradient does not fit the "
+                f"{self._chunk_bytes * self._staging_chunks}-byte D2H staging pool: "
+                "size_staging() was not told its size and dtype"
+            )
+        t = Transfer()
+        try:
+            with torch.cuda.stream(self.d2h_stream):
+                if after is not None:
+                    self.d2h_stream.wait_event(after)
+            start, which, within = 0, 0, 0  # next element; the source and place in it
+            while start < numel:
+                buf = self._free_staging(abort)  # the landing hands chunks back as it goes
+                t.held.append(buf)
+                n = min(per, numel - start)
+                host = buf[: n * item].view(dtype)
+                with torch.cuda.stream(self.d2h_stream):
+                    done = 0
+                    while done < n:  # a chunk may span several of the sources
+                        take = min(n - done, srcs[which].numel() - within)
+                        # another dtype: converted on the device (a chunk-sized temporary
+                        # on this stream), then copied: torch does so when non_blocking
+                        host[done : done + take].copy_(
+                            srcs[which][within : within + take], non_blocking=True
+                        )
+                        done, within = done + take, within + take
+                        if within == srcs[which].numel():
+                            which, within = which + 1, 0
+                    ev = torch.cuda.Event(blocking=True)  # the host worker sleeps on it
+                    ev.record(self.d2h_stream)
+                t.pieces.append((start, host, ev, buf))
+                start += n
+        except BaseException:
+            # the chunks' copies are queued on the D2H stream, in order: a later copy into
+            # them, and its own event, come after these
+            self.release_host(t)
+            raise
+        finally:
+            # srcs were made on the compute stream; keep the allocator from reusing them early
+            for s in srcs:
+                s.record_stream(self.d2h_stream)
         t.issued.set()
         return t
 
     def _free_staging(self, abort) -> torch.Tensor:
-        """A free staging buffer. Their consumer is the host worker: when it has failed,
-        `abort` raises its error at once instead of this waiting for buffers it holds."""
+        """A free staging chunk. Their consumer is the host worker: when it has failed,
+        `abort` raises its error at once instead of this waiting for chunks it holds."""
         waited = 0.0
         while True:
             try:
@@ -410,12 +458,29 @@ class CudaBackend(Backend):
                     "that consumes them is stuck"
                 )
 
+    def host_pieces(self, t: Transfer):
+        _wait_issued(t)
+        for offset, host, ev, buf in t.pieces:
+            ev.synchronize()
+            yield offset, host
+            self._give_back(t, buf)  # consumed: the next copy may reuse it
+
+    def _give_back(self, t: Transfer, buf) -> None:
+        # the landing (host worker) and a cleanup path may both hand a transfer back
+        with self._release_lock:
+            for k, held in enumerate(t.held):
+                if held is buf:
+                    del t.held[k]
+                    if self._staging is not None:  # None once closed
+                        self._staging.put(buf)
+                    return
+
     def release_host(self, t: Transfer) -> None:
-        buf = getattr(t, "_buf", None)
-        if buf is not None:  # once: cleanup paths may release a landing again
-            t._buf = None  # type: ignore[attr-defined]
+        with self._release_lock:  # once: cleanup paths may release a landing again
+            held, t.held = t.held, []
             if self._staging is not None:  # None once closed
-                self._staging.put(buf)
+                for buf in held:
+                    self._staging.put(buf)
 
     def offload(self, t: torch.Tensor) -> torch.Tensor:
         """On the compute stream: ordered after the kernel that made `t` and before the
@@ -449,11 +514,6 @@ class CudaBackend(Backend):
     def wait_compute(self, t: Transfer) -> None:
         _wait_issued(t)
         self.compute.wait_event(t.cuda_event)
-
-    def wait_host(self, t: Transfer) -> torch.Tensor | None:
-        _wait_issued(t)
-        t.cuda_event.synchronize()
-        return t.result
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

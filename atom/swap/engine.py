@@ -64,7 +64,12 @@ class SwapEngine:
         self.dtype = compute_dtype
         self.model = build_model(cfg.model, device="meta")
         self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
-        backend.size_staging(max(u.n_total for u in self.units))  # before any host memory
+        # before any host memory: what crosses is the compute dtype, or the sums of several
+        # micro-batches: fp32, or bf16 when the host gradient is bf16 (compact state)
+        compact = cfg.swap.state == "compact"
+        backend.size_staging(
+            max(u.n_total for u in self.units), compute_dtype if compact else torch.float32
+        )
         paged = cfg.swap.disk_dir is not None
         self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state, paged)
         self.optimizers = self._make_optimizers()
@@ -352,10 +357,13 @@ class SwapEngine:
         which copies or adds it into the unit's fp32 host gradient."""
         buf = self.store.buffers[u]
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
-        nbytes = sum(g.nbytes for g in grads)
-        self.ledger.sub(nbytes)
+        self.ledger.sub(sum(g.nbytes for g in grads))
+        # compact state: fp32 sums cross rounded to the host gradient's bf16 (half the bytes;
+        # rounded on the device, chunk by chunk, as the landing would have rounded them)
+        cross = self.store.master_dtype if self.store.compact else grads[0].dtype
+        cross = cross if grads[0].dtype == torch.float32 else grads[0].dtype
         self.d2h_copies += 1
-        self.d2h_bytes += nbytes
+        self.d2h_bytes += sum(g.numel() for g in grads) * cross.itemsize
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
         lr = self._lr  # captured: the worker may run this after the next step has begun
         if last:
@@ -366,21 +374,23 @@ class SwapEngine:
                     self.tier.prefetch(u)  # its update follows the landing on the worker
 
         def land() -> None:
-            host = self.backend.wait_host(transfer)
-            if isinstance(host, torch.Tensor):
-                dst, src = [buf.grad], [host]
-            else:
-                dst, src = self._grad_views[u], host
-            if first:
-                torch._foreach_copy_(dst, src)
-            elif src[0].dtype == dst[0].dtype:
-                torch._foreach_add_(dst, src)
-            else:
-                # torch's mixed-dtype add (bf16 into fp32) measured ~4x slower than a
-                # conversion into fp32 scratch followed by an add
-                scratch = self._host_scratch(u, flat=len(src) == 1)
-                torch._foreach_copy_(scratch, src)
-                torch._foreach_add_(dst, scratch)
+            # piece by piece as each lands: on CUDA the next unit's copy reuses a staging
+            # chunk as soon as it is landed here
+            for offset, host in self.backend.host_pieces(transfer):
+                if isinstance(host, torch.Tensor):
+                    dst, src = [buf.grad[offset : offset + host.numel()]], [host]
+                else:
+                    dst, src = self._grad_views[u], host
+                if first:
+                    torch._foreach_copy_(dst, src)
+                elif src[0].dtype == dst[0].dtype:
+                    torch._foreach_add_(dst, src)
+                else:
+                    # torch's mixed-dtype add (bf16 into fp32) measured ~4x slower than a
+                    # conversion into fp32 scratch followed by an add
+                    scratch = self._host_scratch(u, src)
+                    torch._foreach_copy_(scratch, src)
+                    torch._foreach_add_(dst, scratch)
             self.backend.release_host(transfer)
             if not last:
                 return
@@ -402,26 +412,28 @@ class SwapEngine:
             elif self.timing == IMMEDIATE:
                 self._update(u, 1.0, lr)
 
-        # abort: if the worker failed, the staging buffers it held are coming back, and
+        # abort: if the worker failed, the staging chunks it held are coming back, and
         # its error is what the training thread should raise, at once
-        transfer = self.backend.d2h(p_grad, self.backend.record(), abort=self.worker.check)
-        # the staging buffer goes back in every case: landed, failed, skipped after an
-        # earlier job failed, or never queued (release_host is idempotent; land releases
-        # it early): one lost buffer of the three would, three steps on, be a hang
+        transfer = self.backend.d2h(
+            p_grad, self.backend.record(), abort=self.worker.check, dtype=cross
+        )
+        # the staging chunks go back in every case: landed, failed, skipped after an
+        # earlier job failed, or never queued (release_host is idempotent; land hands
+        # them back as it goes): a lost chunk would, some steps on, be a hang
         try:
             self.worker.submit(land, cleanup=lambda: self.backend.release_host(transfer))
         except BaseException:
             self.backend.release_host(transfer)
             raise
 
-    def _host_scratch(self, u: int, flat: bool) -> list[torch.Tensor]:
-        """fp32 host scratch laid out like unit u (whole, or per parameter). Only the host
-        worker thread uses it, one landing at a time."""
+    def _host_scratch(self, u: int, src: list[torch.Tensor]) -> list[torch.Tensor]:
+        """fp32 host scratch laid out like `src`: one flat piece of a gradient, or unit u's
+        parameters. Only the host worker thread uses it, one landing at a time."""
         unit = self.units[u]
-        if self._scratch is None or self._scratch.numel() < unit.n_total:
+        if self._scratch is None:
             self._scratch = torch.empty(max(b.spec.n_total for b in self.store.buffers))
-        if flat:
-            return [self._scratch[: unit.n_total]]
+        if len(src) == 1:
+            return [self._scratch[: src[0].numel()].view(src[0].shape)]
         return [self._scratch[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
 
     def _update(self, u: int, coef: float, lr: float) -> None:
