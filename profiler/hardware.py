@@ -74,19 +74,33 @@ class HardwareSpec:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
+# The share of a card's measured dense matmul rate that a training step's blocks get
+# (attention, norms, activations and launches around the matmuls). From the one published
+# full fine-tune on a consumer card: torchtune's Llama 3.1 8B on an RTX 4090, 1,650
+# tokens/s with activation checkpointing (its README; FIELD_NOTES.md), is 1,650 x (8 x
+# 8.03e9 + attention) ~ 110 TFLOP/s of hardware FLOPs, 0.65 of the card's 170 measured
+# below. Under torch.compile; atom's eager blocks may get less (issue 27: measure).
+TRAINING_SHARE_OF_MATMUL = 0.65
+
+
+def _gpu(name, mem_gib, h2d_gbps, d2h_gbps, duplex_gbps, matmul_tflops) -> dict:
+    """A consumer card from measured rates: pinned copies in GB/s (H2D, D2H, H2D while D2H
+    also runs), dense bf16 matmul TFLOP/s (a large torch.mm)."""
     return {
         "name": name,
         "device": "cuda",
         "device_mem": int(mem_gib * GiB),
         "host_mem": 64 * GiB,
-        "h2d_bps": pcie_gbps * 1e9,
-        "d2h_bps": pcie_gbps * 1e9,
+        "h2d_bps": h2d_gbps * 1e9,
+        "d2h_bps": d2h_gbps * 1e9,
         "duplex_h2d_bps": duplex_gbps * 1e9,
-        "matmul_flops": tflops * 1e12,
-        # The host side is DRAM-bound: a desktop's dual-channel DDR4/DDR5 moves ~40-60 GB/s.
-        # An update (norm dot, fused AdamW, bf16 refresh) touches ~46 bytes per parameter,
-        # a gradient landing (bf16 or fp32 in, fp32 add) ~10-12 (measure_host_optimizer).
+        "matmul_flops": matmul_tflops * 1e12 * TRAINING_SHARE_OF_MATMUL,
+        # The host side is DRAM-bound: a desktop's dual-channel DDR5 reads ~60 GB/s (AIDA64
+        # on a Ryzen 7 9800X3D, DDR5-6000: 62 read, 59 copy; tomshardware forum thread
+        # 3871519); DDR4 desktops measure about half (STREAM triad 27 GB/s on a Ryzen 9
+        # 5900X, noonghunna/club-3090 issue 1095): 50 GB/s is a DDR5 desktop. An update
+        # (norm dot, fused AdamW, bf16 refresh) touches ~46 bytes per parameter, a gradient
+        # landing (bf16 or fp32 in, fp32 add) ~10-12 (measure_host_optimizer).
         "adam_s_per_param": 46 / 50e9,
         "accum_s_per_param": 12 / 50e9,
         # The compact update is a dozen elementwise passes over cache-sized chunks: bound by
@@ -100,15 +114,42 @@ def _gpu(name, mem_gib, pcie_gbps, tflops, duplex_gbps) -> dict:
     }
 
 
-# Effective (not peak) bf16/fp16 matmul throughput, ~45-55% of the dense tensor-core spec;
-# PCIe figures from FIELD_NOTES.md (PCIe3 ~12, PCIe4 ~25 GB/s; both directions at once less).
+# Measured rates, not spec sheets. Matmul: bf16 torch.mm of 10240 x 10240 (6 warm-up, 30
+# timed), community runs collected in github.com/zzc0721/torch-performance-test-data
+# (database.md and its issues); independent runs agree within ~5%. Pinned copies: CUDA
+# bandwidthTest or nvbandwidth output posted for that card; a PCIe4 x16 link moves ~24-27
+# GB/s one way and roughly half of that H2D while D2H also runs (nvbandwidth's
+# bidirectional tests: NVIDIA/nvbandwidth issues 11 and 15). Where no measurement of a card
+# was found the source says what stands in for it.
 PRESETS: dict[str, dict] = {
-    "rtx2080ti": {**_gpu("RTX 2080 Ti (11 GB, PCIe3, fp16)", 11, 12, 30, 9), "dtype": "fp16"},
-    "rtx3060": _gpu("RTX 3060 (12 GB, PCIe4)", 12, 24, 12, 14),
-    "rtx3090": _gpu("RTX 3090 (24 GB, PCIe4)", 24, 24, 35, 14),
-    "rtx4070": _gpu("RTX 4070 (12 GB, PCIe4)", 12, 25, 28, 14),
-    "rtx4090": _gpu("RTX 4090 (24 GB, PCIe4)", 24, 25, 80, 14),
-    "h200": _gpu("H200 (141 GB, PCIe5)", 139, 50, 400, 35),
+    # fp16 only (no bf16), PCIe3; not measured: the effective 30 TFLOP/s of earlier
+    # releases (spec-derived)
+    "rtx2080ti": {
+        **_gpu("RTX 2080 Ti (11 GB, PCIe3, fp16)", 11, 12, 12, 9, 30 / TRAINING_SHARE_OF_MATMUL),
+        "dtype": "fp16",
+    },
+    # matmul 25.47 (zzc0721/torch-performance-test-data issue 131); bandwidthTest 23.3 H2D /
+    # 25.7 D2H, 32 MB pinned (a posted "Windows WSL CUDA Install" guide); duplex: PCIe4 x16
+    "rtx3060": _gpu("RTX 3060 (12 GB, PCIe4)", 12, 23.3, 25.7, 12, 25.5),
+    # matmul 42.65 for the 16 GB card (database.md); link: PCIe4 x8, half of a x16's
+    # measured ~24 (spec 15.75 GB/s theoretical, hardwareluxx review); no copy measured
+    "rtx4060ti": _gpu("RTX 4060 Ti (16 GB, PCIe4 x8)", 16, 12, 13, 6.5, 42.7),
+    # no measurement of the plain 4070 found: the 4070 SUPER's 74.5-76.8 (issue 54,
+    # database.md) scaled by SM count, 46/56; link: the 4090's measured PCIe4 x16
+    "rtx4070": _gpu("RTX 4070 (12 GB, PCIe4)", 12, 23.9, 26.5, 12, 61.6),
+    # matmul 76.34 and 76.58 (database.md, two machines); link: the 4090's PCIe4 x16
+    "rtx3090": _gpu("RTX 3090 (24 GB, PCIe4)", 24, 23.9, 26.5, 12, 76.3),
+    # matmul 170.06 / 173.31 (database.md), 164.81 (issue 78); copies 23.85 H2D / 26.55
+    # D2H, 16 MiB pinned (NVlabs/cuda-oxide PR 976); H2D under D2H 11-16 (nvbandwidth 15)
+    "rtx4090": _gpu("RTX 4090 (24 GB, PCIe4)", 24, 23.9, 26.5, 12, 170),
+    # matmul 242.18 (database.md; a cloud 5090 236.03, PR 15); nvbandwidth on a PCIe5
+    # server: 56.3 H2D, 57.3 D2H, 50.9 H2D while D2H runs (tinygrad/open-gpu-kernel-modules
+    # issue 29)
+    "rtx5090": _gpu("RTX 5090 (32 GB, PCIe5)", 32, 56.3, 57.3, 50.9, 242),
+    # not a consumer card, and not measured: the effective 400 TFLOP/s of earlier releases
+    # (spec-derived); copies near our H100 run's 55.1 GB/s pinned each way
+    # (docs/benchmarks.md)
+    "h200": _gpu("H200 (141 GB, PCIe5)", 139, 50, 50, 35, 400 / TRAINING_SHARE_OF_MATMUL),
 }
 
 

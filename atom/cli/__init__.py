@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hardware",
         metavar="NAME|JSON",
         help="state the hardware instead of measuring it: a preset (rtx2080ti, rtx3060, "
-        "rtx3090, rtx4070, rtx4090, h200) or a JSON spec; block times come from FLOPs",
+        "rtx4060ti, rtx4070, rtx3090, rtx4090, rtx5090, h200) or a JSON spec; block times "
+        "come from FLOPs",
     )
     pf.add_argument(
         "--batch",

@@ -8,10 +8,10 @@ synchronous data parallel for a group you describe, before buying or wiring anyt
     atom simulate --links links.json --hardware measured        # a 4 x 4 matrix in Mb/s
     atom simulate --hardware runs/bench_vs_pipeline/profile.json --compute-scale 2 ...
 
---hardware takes a preset (rtx2080ti, rtx3060, rtx3090, rtx4070, rtx4090, h200; block
-times from FLOPs), a HardwareSpec JSON, `measured` (this machine, as `atom profile`
-measures it; cached), or a profile.json written by tools/bench_vs_pipeline.py. The model
-is profiler/simulate.py; its assumptions are in that module's docstring.
+--hardware takes a preset (rtx2080ti, rtx3060, rtx4060ti, rtx4070, rtx3090, rtx4090,
+rtx5090, h200; block times from FLOPs), a HardwareSpec JSON, `measured` (this machine, as
+`atom profile` measures it; cached), or a profile.json written by tools/bench_vs_pipeline.py.
+The model is profiler/simulate.py; its assumptions are in that module's docstring.
 """
 
 from __future__ import annotations
