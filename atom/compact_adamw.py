@@ -39,14 +39,11 @@ import math
 
 import torch
 
+from atom.compact_kernel import BLOCK, F8, F8_MAX, TINY, CompiledChunkUpdate
 from atom.config import TrainConfig
 from atom.optim import ADAM_EPS, Region
 
-BLOCK = 256
 CHUNK = 1 << 20  # elements per pass; a multiple of BLOCK
-F8 = torch.float8_e4m3fn
-F8_MAX = 448.0
-_TINY = 1e-30  # the scale of an all-zero block (its codes are zero whatever the scale)
 
 
 def padded(n: int) -> int:
@@ -82,7 +79,7 @@ def encode(
     tmp = torch.empty_like(x) if tmp is None else tmp
     blocks, work = x.view(-1, BLOCK), tmp.view(-1, BLOCK)
     torch.amax(torch.abs(blocks, out=work), dim=1, out=scales)
-    scales.clamp_(min=_TINY).div_(F8_MAX)
+    scales.clamp_(min=TINY).div_(F8_MAX)
     torch.div(blocks, scales.unsqueeze(1), out=work)
     codes.view(F8).copy_(tmp)
 
@@ -126,6 +123,7 @@ class CompactAdamW:
         cfg: TrainConfig,
         scratch: ChunkScratch,
         paged: bool = False,
+        compiled: CompiledChunkUpdate | None = None,
     ):
         self.master, self.comp, self.grad = master, comp, grad
         self.n = n
@@ -136,10 +134,11 @@ class CompactAdamW:
         self.s_codes = torch.zeros(p, dtype=torch.uint8)  # sqrt of the second moment
         # an all-zero block's scale; on disk (paged) a fresh record reads as zeros, which
         # decode to zero just the same
-        self.m_scales = torch.full((p // BLOCK,), _TINY)
-        self.s_scales = torch.full((p // BLOCK,), _TINY)
+        self.m_scales = torch.full((p // BLOCK,), TINY)
+        self.s_scales = torch.full((p // BLOCK,), TINY)
         self.steps = 0
         self.scratch = scratch
+        self.compiled = compiled  # whole chunks, where it compiles (atom/compact_kernel.py)
 
     def regions(self) -> list:
         """The unit's cold state for the disk tier: master, comp, codes and scales."""
@@ -168,8 +167,21 @@ class CompactAdamW:
         b1, b2 = cfg.beta1, cfg.beta2
         bc1 = 1 - b1**self.steps
         rbc2 = 1 / math.sqrt(1 - b2**self.steps)
+        fused = None
+        if self.compiled is not None and self.n >= CHUNK:
+            wd = cfg.weight_decay
+            fused = [torch.tensor(x) for x in (coef, lr / bc1, rbc2, lr * wd, 0.0)]
         for start, n, span in self._chunks():
             end, blocks = start + n, slice(start // BLOCK, (start + span) // BLOCK)
+            decayed = max(0, min(n, self.n_decay - start))
+            if fused is not None and n == CHUNK and decayed in (0, n):
+                scalars = (*fused[:3], fused[3] if decayed else fused[4])
+                if self.compiled(
+                    self.grad[start:end], self.master[start:end], self.comp[start:end],
+                    self.m_codes[start:end], self.m_scales[blocks],
+                    self.s_codes[start:end], self.s_scales[blocks], scalars,
+                ):  # fmt: skip
+                    continue
             p0, g, m, s, work, tmp = self.scratch.views(span)
             g[:n].copy_(self.grad[start:end])
             g[n:].zero_()  # padding: zero gradient keeps its moments at zero
@@ -183,7 +195,6 @@ class CompactAdamW:
             torch.mul(s, rbc2, out=work).add_(ADAM_EPS)
             torch.div(m, work, out=work).mul_(-lr / bc1)
             p0[:n].copy_(self.master[start:end])
-            decayed = max(0, min(n, self.n_decay - start))
             if decayed and cfg.weight_decay:
                 work[:decayed].add_(p0[:decayed], alpha=-lr * cfg.weight_decay)
             # Kahan: add what earlier roundings dropped, round to bf16, keep what this drops

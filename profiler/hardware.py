@@ -214,17 +214,20 @@ def measure_host_optimizer(
     return upd, land
 
 
-def measure_compact_update(numel: int = 8_000_000) -> float:
+def measure_compact_update(numel: int = 8_000_000, compiled: bool = True) -> float:
     """Seconds per parameter of one CompactAdamW unit update (swap.state=compact), the
-    engine's own code on a unit of `numel` parameters."""
+    engine's own code on a unit of `numel` parameters (`compiled`: swap.compile_update)."""
     from atom.compact_adamw import ChunkScratch, CompactAdamW
+    from atom.compact_kernel import CompiledChunkUpdate
     from atom.config import TrainConfig
 
+    cfg = TrainConfig()
     master = torch.full((numel,), 0.02, dtype=torch.bfloat16)
     comp = torch.zeros(numel, dtype=torch.bfloat16)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
-    opt = CompactAdamW(master, comp, grad, numel, numel, TrainConfig(), ChunkScratch(numel))
-    opt.step(1e-4)  # first touch of the state is not per-step cost
+    fused = CompiledChunkUpdate(cfg.beta1, cfg.beta2) if compiled else None
+    opt = CompactAdamW(master, comp, grad, numel, numel, cfg, ChunkScratch(numel), False, fused)
+    opt.step(1e-4)  # first touch of the state (and a compile) is not per-step cost
     return _median_time(lambda: opt.step(1e-4), 5) / numel
 
 
@@ -314,15 +317,17 @@ def measure(
     host_mem: int | None = None,
     disk_dir: str | None = None,
     progress: bool = False,
+    compiled_update: bool = True,
 ) -> HardwareSpec:
     """Measure this machine at the transfer size the plan would use (and the disk of the
-    NVMe tier, when there is one), with a progress line naming each measurement."""
+    NVMe tier, when there is one), with a progress line naming each measurement.
+    `compiled_update`: swap.compile_update, as the compact update will run."""
     from tqdm import tqdm
 
     phases = 5 + (disk_dir is not None)
     with tqdm(total=phases, desc="measuring this machine", unit="step",
               disable=not progress) as bar:  # fmt: skip
-        spec = _measure(device, transfer_numel, dtype, device_mem, host_mem, bar)
+        spec = _measure(device, transfer_numel, dtype, device_mem, host_mem, bar, compiled_update)
         if disk_dir is not None:
             bar.set_postfix_str(f"disk in {disk_dir}")
             if bar.disable:
@@ -339,6 +344,7 @@ def _measure(
     device_mem: int | None,
     host_mem: int | None,
     bar,
+    compiled_update: bool = True,
 ) -> HardwareSpec:
     vm = psutil.virtual_memory()
     host = host_mem if host_mem is not None else vm.available
@@ -352,7 +358,11 @@ def _measure(
         return result
 
     adam, add = phase("host AdamW", lambda: measure_host_optimizer(compute_dtype=dtype))
-    compact = phase("compact AdamW", measure_compact_update)
+    compact = phase(
+        # the first run on a machine compiles the compact update (Inductor caches it)
+        "compact AdamW" + (" (compiled once, ~30 s)" if compiled_update else ""),
+        lambda: measure_compact_update(compiled=compiled_update),
+    )
     overhead = phase("per-unit overhead", lambda: measure_unit_overhead(device))
     bar.set_postfix_str("bandwidth")
     if bar.disable:

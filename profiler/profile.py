@@ -9,6 +9,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from atom.compact_adamw import CHUNK
 from atom.config import Config, ConfigError, replace
 from atom.device import DTYPES
 from atom.profiler import hardware, timing
@@ -46,7 +47,10 @@ def cached_hardware(
         return hw
     one_layer = replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
     largest = ModelAnalysis.of(one_layer).largest_unit
-    hw = hardware.measure(device, largest, dtype, None, None, disk_dir, progress)
+    # the compact update is compiled for whole chunks only: a model whose units are all
+    # smaller updates eagerly, and is measured so (without compiling)
+    compiled = cfg.swap.compile_update and largest >= CHUNK
+    hw = hardware.measure(device, largest, dtype, None, None, disk_dir, progress, compiled)
     cache.data["hardware"] = hw.to_dict()
     return hw
 

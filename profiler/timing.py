@@ -146,6 +146,7 @@ def cache_key(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
         os.cpu_count(),
         gpu,
         torch.__version__,
+        cfg.swap.compile_update,  # the compact update's measured rate depends on it
     ]
     blob = json.dumps([model, machine, str(dtype)], sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]

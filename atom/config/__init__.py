@@ -206,6 +206,11 @@ class SwapConfig:
     # bytes, and the master doubles as the bf16 bus copy): for models whose fp32 state does
     # not fit host RAM (atom/compact_adamw.py). `atom profile` picks it when fp32 does not fit.
     state: Literal["fp32", "compact"] = "fp32"
+    # compact state: update whole chunks of a unit (2^20 parameters) with one loop compiled
+    # by torch.compile (needs a C++ compiler; the first run compiles for ~30 s, later runs
+    # read Inductor's cache); where it does not compile, a warning and the eager update.
+    # false: the eager update always (bit-for-bit the same as before the compiled one)
+    compile_update: bool = True
     # NVMe tier: a directory on a fast disk for each unit's master weights and optimizer
     # moments (12 bytes per parameter in fp32 state, 6 compact); RAM keeps the bus copy and
     # the gradient, and `disk_slots` units' state around their updates (read ahead, written

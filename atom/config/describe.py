@@ -82,6 +82,9 @@ DESCRIPTIONS: dict[str, str] = {
     "swap.resident_units": "block units kept on the device all step in extra slots",
     "swap.state": "host state: `fp32` (16 bytes a parameter) or `compact` (8: bf16 + Kahan "
     "master, 8-bit Adam moments)",
+    "swap.compile_update": "compact state: update whole chunks with one torch.compile'd "
+    "loop (a C++ compiler; ~30 s the first time, cached); falls back to the eager update "
+    "with a warning",
     "swap.disk_dir": "the NVMe tier: a directory for master weights and moments, paged "
     "around each unit's update; null: in RAM",
     "swap.disk_slots": "NVMe tier: units' state held in RAM at once",

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from atom.compact_adamw import ChunkScratch, CompactAdamW
+from atom.compact_kernel import CompiledChunkUpdate
 from atom.config import Config
 from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model
@@ -38,6 +39,7 @@ from atom.swap.backend import Backend
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.host_store import HostStore, gather_owned
 from atom.swap.host_worker import HostWorker
+from atom.swap.landing import GradientLanding, crossing_dtype
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan, StepState
 from atom.swap.slots import DeviceSlots, Held, MemoryLedger, params_saved_by_slot
@@ -98,12 +100,7 @@ class SwapEngine:
         # Ctrl+C waits for its end (engine_protocol.Engine.committed)
         self.committed = False
         self._plans: dict[tuple, StepPlan] = {}
-        self._scratch: torch.Tensor | None = None  # host fp32, for mixed-dtype landings
-        # per-parameter views of each unit's host gradient, in unit.params order
-        self._grad_views = [
-            [b.grad[p.offset : p.offset + p.numel].view(p.shape) for p in b.spec.params]
-            for b in self.store.buffers
-        ]
+        self.landing = GradientLanding(backend, self.store)
         self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
@@ -141,10 +138,21 @@ class SwapEngine:
                 for b in bufs
             ]
         scratch = ChunkScratch(max(b.spec.n_owned for b in bufs))
+        fused = (
+            CompiledChunkUpdate(train.beta1, train.beta2) if self.cfg.swap.compile_update else None
+        )
         return [
             CompactAdamW(
-                b.master, b.comp, b.grad, b.spec.n_owned, b.spec.n_decay, train, scratch, paged
-            )
+                b.master,
+                b.comp,
+                b.grad,
+                b.spec.n_owned,
+                b.spec.n_decay,
+                train,
+                scratch,
+                paged,
+                fused,
+            )  # fmt: skip
             for b in bufs
         ]
 
@@ -358,10 +366,7 @@ class SwapEngine:
         buf = self.store.buffers[u]
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
         self.ledger.sub(sum(g.nbytes for g in grads))
-        # compact state: fp32 sums cross rounded to the host gradient's bf16 (half the bytes;
-        # rounded on the device, chunk by chunk, as the landing would have rounded them)
-        cross = self.store.master_dtype if self.store.compact else grads[0].dtype
-        cross = cross if grads[0].dtype == torch.float32 else grads[0].dtype
+        cross = crossing_dtype(grads[0].dtype, self.store)
         self.d2h_copies += 1
         self.d2h_bytes += sum(g.numel() for g in grads) * cross.itemsize
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0
@@ -374,24 +379,7 @@ class SwapEngine:
                     self.tier.prefetch(u)  # its update follows the landing on the worker
 
         def land() -> None:
-            # piece by piece as each lands: on CUDA the next unit's copy reuses a staging
-            # chunk as soon as it is landed here
-            for offset, host in self.backend.host_pieces(transfer):
-                if isinstance(host, torch.Tensor):
-                    dst, src = [buf.grad[offset : offset + host.numel()]], [host]
-                else:
-                    dst, src = self._grad_views[u], host
-                if first:
-                    torch._foreach_copy_(dst, src)
-                elif src[0].dtype == dst[0].dtype:
-                    torch._foreach_add_(dst, src)
-                else:
-                    # torch's mixed-dtype add (bf16 into fp32) measured ~4x slower than a
-                    # conversion into fp32 scratch followed by an add
-                    scratch = self._host_scratch(u, src)
-                    torch._foreach_copy_(scratch, src)
-                    torch._foreach_add_(dst, scratch)
-            self.backend.release_host(transfer)
+            self.landing.land(u, transfer, first)
             if not last:
                 return
             # Aliases of this unit were computed by later units, whose grads landed earlier.
@@ -425,16 +413,6 @@ class SwapEngine:
         except BaseException:
             self.backend.release_host(transfer)
             raise
-
-    def _host_scratch(self, u: int, src: list[torch.Tensor]) -> list[torch.Tensor]:
-        """fp32 host scratch laid out like `src`: one flat piece of a gradient, or unit u's
-        parameters. Only the host worker thread uses it, one landing at a time."""
-        unit = self.units[u]
-        if self._scratch is None:
-            self._scratch = torch.empty(max(b.spec.n_total for b in self.store.buffers))
-        if len(src) == 1:
-            return [self._scratch[: src[0].numel()].view(src[0].shape)]
-        return [self._scratch[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
 
     def _update(self, u: int, coef: float, lr: float) -> None:
         buf = self.store.buffers[u]

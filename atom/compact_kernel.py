@@ -1,0 +1,96 @@
+"""The compact update of one whole chunk as one compiled loop (`swap.compile_update`).
+
+CompactAdamW's eager update makes ~45 passes of torch ops over each chunk (decode two
+moments, AdamW, Kahan, encode two moments), each one a trip through memory. Written as
+one expression and compiled by torch.compile (Inductor's C++ code generation), the same
+arithmetic is a few vectorised loops: `python -m tools.bench_host_update` measures both.
+
+What it is not: bit-equal to the eager update. An fp32 value summed in another order can
+round to the neighbouring float8 code of a moment, or put one bf16 ulp of the weight in
+the Kahan compensation instead of the master (master + compensation, the value Kahan
+tracks, agrees). A run uses one path throughout, so a resume is exact either way.
+
+Only whole chunks of CHUNK elements, decayed all or none, come here: one shape, so one
+compile per process (Inductor caches it on disk for the next). A unit's last, shorter
+chunk, a chunk the decay boundary cuts, and every unit smaller than a chunk take the
+eager path. Where the compiler is missing (no C++ compiler; a torch without Inductor) the
+first call fails before it touches anything, says so once, and the eager path does all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from atom.optim import ADAM_EPS
+
+log = logging.getLogger(__name__)
+
+# the compact format (atom/compact_adamw.py takes them from here)
+BLOCK = 256  # elements per fp32 scale of a moment
+F8 = torch.float8_e4m3fn
+F8_MAX = 448.0
+TINY = 1e-30  # the scale of an all-zero block (its codes are zero whatever the scale)
+
+
+def one_chunk(grad, master, comp, m_codes, m_scales, s_codes, s_scales,
+              coef, lr_bc1, rbc2, lr_wd, b1: float, b2: float) -> None:  # fmt: skip
+    """CompactAdamW.step's arithmetic on one chunk, in place: decode the moments, AdamW
+    (torch's formula), the Kahan-compensated bf16 master, encode the moments. The per-step
+    numbers are 0-d tensors (a Python float is a constant to the compiler: a new value
+    every step would compile again every step); b1, b2 are the run's constants."""
+    g = grad.float() * coef
+    m = (m_codes.view(F8).float().view(-1, BLOCK) * m_scales.unsqueeze(1)).view(-1)
+    s = (s_codes.view(F8).float().view(-1, BLOCK) * s_scales.unsqueeze(1)).view(-1)
+    m = torch.lerp(m, g, 1 - b1)
+    s = torch.sqrt(s * s * b2 + g * g * (1 - b2))
+    p0 = master.float()
+    upd = -lr_bc1 * m / (s * rbc2 + ADAM_EPS) - lr_wd * p0 + comp.float()
+    new = (p0 + upd).to(torch.bfloat16)
+    comp.copy_((upd - (new.float() - p0)).to(torch.bfloat16))
+    master.copy_(new)
+    for x, codes, scales in ((m, m_codes, m_scales), (s, s_codes, s_scales)):
+        blocks = x.view(-1, BLOCK)
+        scale = torch.clamp(blocks.abs().amax(dim=1), min=TINY) / F8_MAX
+        scales.copy_(scale)
+        codes.copy_((blocks / scale.unsqueeze(1)).view(-1).to(F8).view(torch.uint8))
+
+
+class CompiledChunkUpdate:
+    """one_chunk under torch.compile, compiled on first use and shared by the unit
+    optimizers of one engine. `__call__` returns False, having touched nothing, once the
+    compile has failed: the caller updates that chunk eagerly."""
+
+    def __init__(self, b1: float, b2: float):
+        self.b1, self.b2 = b1, b2
+        self.available = True
+        self.compile_s: float | None = None  # how long the first call took
+        self._fn = None
+
+    def __call__(self, grad, master, comp, m_codes, m_scales, s_codes, s_scales,
+                 scalars: tuple[torch.Tensor, ...]) -> bool:  # fmt: skip
+        if not self.available:
+            return False
+        args = (grad, master, comp, m_codes, m_scales, s_codes, s_scales, *scalars,
+                self.b1, self.b2)  # fmt: skip
+        if self.compile_s is not None:
+            self._fn(*args)
+            return True
+        t0 = time.perf_counter()
+        try:
+            self._fn = torch.compile(one_chunk, dynamic=False, fullgraph=True)
+            self._fn(*args)  # compiles, then runs: a compile error comes before any write
+        except Exception as err:  # no C++ compiler, no Inductor: the eager update does all
+            self.available = False
+            log.warning(
+                "the compact update does not compile here (%s: %s): updating eagerly, "
+                "about 2x slower on the host (swap.compile_update=false skips the attempt)",
+                type(err).__name__,
+                str(err).splitlines()[0][:200] if str(err) else "",
+            )
+            return False
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled the compact update in %.0f s", self.compile_s)
+        return True
