@@ -23,11 +23,13 @@ from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli/, too
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-# One core's time for a compact unit update, ns per parameter: `python -m atom.profiler.hardware
-# compact --threads 1` (docs/benchmarks.md: 7.8 on an EPYC core, 6-7x torch's fused fp32
-# update). Presets assume 4 cores' worth: a desktop's 8 at the scaling measured here (2
-# threads ran 1.4-1.5x faster than one).
-COMPACT_NS_PER_CORE = 7.8
+# One core's time for a compact unit update, ns per parameter: 7.8 on an EPYC core for the
+# eager update (`python -m tools.bench_host_update --threads 1`, docs/benchmarks.md, 6-7x
+# torch's fused fp32 update); the compiled one (swap.compile_update, the default) ran
+# 1.6-2.4x faster than the eager one on the same core, side by side: 7.8 / 1.6. Presets
+# assume 4 cores' worth: a desktop's 8 at the scaling measured here (2 threads ran 1.4-1.5x
+# faster than one).
+COMPACT_NS_PER_CORE = 4.9
 COMPACT_PRESET_CORES = 4
 
 
