@@ -58,7 +58,10 @@ def test_two_members_and_two_peers_behind_nat_train_as_one_group(keyed):
     logs = [home / f"p{k}.log" for k in range(4)]
     with NetShape(4, 0, nat=[2, 3]) as net:
         def cmd(k: int, *where: str) -> list[str]:
+            # honest peers on disjoint shards drift past the outlier check's 2x of a unit's
+            # norm when exchanges lag the steps (a loaded box: one rejection failed this)
             return gu.peer_cmd(runs[k], shards[k % len(shards)], steps, 1 + k, *where, *COMMON,
+                               "--set", "gossip.max_relative=10",
                                "--group-key", str(home / "keys" / f"p{k}"))  # fmt: skip
 
         procs = [gu.start_in(net, 0, cmd(0, "--listen", _endpoint(net, 0), *MEMBER_WAITS), logs[0])]
