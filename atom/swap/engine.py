@@ -100,7 +100,7 @@ class SwapEngine:
         # Ctrl+C waits for its end (engine_protocol.Engine.committed)
         self.committed = False
         self._plans: dict[tuple, StepPlan] = {}
-        self.landing = GradientLanding(backend, self.store)
+        self.landing = GradientLanding.of(backend, self.store)
         self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 

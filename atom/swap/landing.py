@@ -22,20 +22,25 @@ def crossing_dtype(grad: torch.dtype, store: HostStore) -> torch.dtype:
 
 
 class GradientLanding:
-    """Lands D2H transfers into the host store's gradients. Only the host worker thread
+    """Lands D2H transfers into each unit's host gradient (flat, `grads[u]`; `params[u]`:
+    the unit's parameters, each with offset, numel and shape). Only the host worker thread
     calls `land`, one landing at a time (its fp32 scratch is shared)."""
 
-    def __init__(self, backend: Backend, store: HostStore):
-        self.backend, self.store = backend, store
+    def __init__(self, backend: Backend, grads: list[torch.Tensor], params: list[list]):
+        self.backend, self.grads, self.params = backend, grads, params
         self._scratch: torch.Tensor | None = None  # host fp32, for mixed-dtype landings
         # per-parameter views of each unit's host gradient, in unit.params order
         self._views = [
-            [b.grad[p.offset : p.offset + p.numel].view(p.shape) for p in b.spec.params]
-            for b in store.buffers
+            [grad[p.offset : p.offset + p.numel].view(p.shape) for p in ps]
+            for grad, ps in zip(grads, params, strict=True)
         ]
 
+    @classmethod
+    def of(cls, backend: Backend, store: HostStore) -> GradientLanding:
+        return cls(backend, [b.grad for b in store.buffers], [b.spec.params for b in store.buffers])
+
     def land(self, u: int, transfer: Transfer, first: bool) -> None:
-        grad = self.store.buffers[u].grad
+        grad = self.grads[u]
         for offset, host in self.backend.host_pieces(transfer):
             if isinstance(host, torch.Tensor):
                 dst, src = [grad[offset : offset + host.numel()]], [host]
@@ -57,8 +62,7 @@ class GradientLanding:
         """fp32 scratch laid out like `src`: one flat piece of a gradient, or unit u's
         parameters."""
         if self._scratch is None:
-            self._scratch = torch.empty(max(b.spec.n_total for b in self.store.buffers))
+            self._scratch = torch.empty(max(g.numel() for g in self.grads))
         if len(src) == 1:
             return [self._scratch[: src[0].numel()].view(src[0].shape)]
-        params = self.store.buffers[u].spec.params
-        return [self._scratch[p.offset : p.offset + p.numel].view(p.shape) for p in params]
+        return [self._scratch[p.offset : p.offset + p.numel].view(p.shape) for p in self.params[u]]
