@@ -32,6 +32,9 @@ Sections:
   deepspeed    ZeRO-2 with the optimizer offloaded and ZeRO-3 with parameters and optimizer
                offloaded, on the same model, cap, batch, micro-batch and recompute as
                `big`'s plan (only where DeepSpeed imports)
+  torchtune    torchtune's single-device full fine-tune (bf16 weights on the card, the
+               optimizer stepped in the backward, 8-bit paged AdamW where bitsandbytes
+               imports) on `big`'s model, cap and batch, without accumulation
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from tools.gpu_sections import (
     fits_section,
     tests_section,
     tiers_section,
+    torchtune_section,
 )
 from tools.gpu_steps import train_child
 
@@ -94,7 +98,7 @@ class Report:
 
 # The least time (s) a section needs to say anything useful; with less left it is skipped.
 MIN_SECONDS = {"env": 5, "bandwidth": 20, "tests": 60, "attention": 20, "equivalence": 60,
-               "fits": 60, "tiers": 60, "big": 120, "deepspeed": 90}  # fmt: skip
+               "fits": 60, "tiers": 60, "big": 120, "deepspeed": 90, "torchtune": 45}  # fmt: skip
 
 
 def call_section(fn, *args) -> dict:
@@ -223,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in SECTIONS.items():
         if args.only and name not in args.only:
             continue
-        fargs = (args.dry_run, *model_args) if name in ("big", "deepspeed") else (args.dry_run,)
+        with_model = name in ("big", "deepspeed", "torchtune")
+        fargs = (args.dry_run, *model_args) if with_model else (args.dry_run,)
         # env in this process (it is quick, and says what the machine is even if all else
         # fails); big and deepspeed spawn their own bounded children
-        isolate = name not in ("env", "big", "deepspeed", "tests")
+        isolate = name not in ("env", "big", "deepspeed", "torchtune", "tests")
         if run_section(report, name, fn, *fargs, isolate=isolate)["status"] == "FAILED":
             failed.append(name)
     report.data["failed"] = failed
@@ -245,6 +250,7 @@ SECTIONS = {
     "tiers": tiers_section,
     "big": big_section,
     "deepspeed": deepspeed_section,
+    "torchtune": torchtune_section,
 }
 
 if __name__ == "__main__":

@@ -502,3 +502,39 @@ def deepspeed_section(
                                                             "zero3_offload_all")):  # fmt: skip
         result["status"] = "FAILED"
     return result
+
+
+def torchtune_section(
+    dry: bool, config: str, gpu_mem: str, batch: int, steps: int, overrides: list[str]
+) -> dict:
+    """torchtune's single-device full fine-tune (tools/torchtune_baseline.py: bf16 weights
+    on the card, every block recomputed, the optimizer stepped in the backward, 8-bit
+    paged AdamW where bitsandbytes imports) on `big`'s model, cap and batch, as one step
+    without accumulation; tokens/s next to atom's. Where it does not fit the cap, that is
+    the finding (issue 27 (a): the largest model it fits)."""
+    out = Path(os.environ["GPU_CHECK_OUT"])
+    if dry:  # the plumbing, on the CPU at tiny shapes
+        config, gpu_mem, batch = "tiny", "1GiB", 2
+    gpu_mem, lowered = card_cap(gpu_mem, dry)
+    big = (
+        json.loads((out / "big_train.json").read_text())
+        if (out / "big_train.json").exists()
+        else {}
+    )
+    sets = [a for kv in ["model.vocab_size=256", *overrides] for a in ("--set", kv)]
+    code, log = run_child(
+        ["-m", "tools.torchtune_baseline", "--config", config, "--gpu-mem", gpu_mem,
+         "--batch", str(batch), "--steps", str(max(2, steps)),
+         *(["--device", "cpu"] if dry else []), *sets],
+        timeout=300,
+    )  # fmt: skip
+    lines = [line for line in log.splitlines() if line.startswith("{")]
+    result: dict = json.loads(lines[-1]) if lines else {"exit": code, "log": log[-2000:]}
+    result["gpu_mem"] = gpu_mem
+    if lowered:
+        result["note"] = lowered
+    if result.get("tokens_per_s") and big.get("tokens_per_s"):
+        result["atom_over_torchtune"] = round(big["tokens_per_s"] / result["tokens_per_s"], 2)
+    if code != 0 or not (result.get("tokens_per_s") or "out of device memory" in str(result)):
+        result["status"] = "FAILED"
+    return result
