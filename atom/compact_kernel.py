@@ -79,6 +79,7 @@ class CompiledChunkUpdate:
             self._fn(*args)
             return True
         t0 = time.perf_counter()
+        log.info("compiling the compact update (the first run on a machine takes ~30 s)")
         try:
             self._fn = torch.compile(one_chunk, dynamic=False, fullgraph=True)
             self._fn(*args)  # compiles, then runs: a compile error comes before any write
