@@ -72,7 +72,7 @@ def test_a_failing_host_worker_ends_the_step_in_seconds_with_its_error(monkeypat
     engine = SwapEngine(cfg, backend, torch.float32)
 
     def failing_update(u, coef, lr):
-        t0 = time.monotonic()  # until every staging buffer is taken: the worst case
+        t0 = time.monotonic()  # until every staging chunk is taken: the worst case
         while not backend._staging.empty() and time.monotonic() - t0 < 5:
             time.sleep(0.005)
         raise OSError("planted: the optimizer step failed")

@@ -454,7 +454,7 @@ class CudaBackend(Backend):
                 abort()
             if waited >= 600:
                 raise RuntimeError(
-                    "no D2H staging buffer came back within 10 minutes: the host worker "
+                    "no D2H staging chunk came back within 10 minutes: the host worker "
                     "that consumes them is stuck"
                 )
 

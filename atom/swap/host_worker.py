@@ -5,7 +5,7 @@ copy). An error is kept and re-raised in the training thread.
 
 A job may come with a `cleanup` that runs whatever happens to the job: after it, after it
 failed, or in its place when an earlier job failed and the rest are skipped. Landings use
-it to hand their D2H staging buffer back: a buffer held by a skipped landing would leave
+it to hand their D2H staging chunks back: a chunk held by a skipped landing would leave
 the training thread waiting for one that never comes.
 
 `inline=True` (the CPU backend) runs each job at once on the submitting thread, with the
