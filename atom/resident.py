@@ -14,8 +14,9 @@ import torch
 
 from atom.config import Config, ConfigError
 from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
-from atom.model import build_model, lm_loss, materialize
+from atom.model import build_model, materialize
 from atom.model.documents import micro_batch
+from atom.model.head_loss import head_loss
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
 
 
@@ -97,14 +98,15 @@ class ResidentEngine:
         return StepResult(loss=float(total) / len(batches), grad_norm=norm)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor, docs) -> torch.Tensor:
-        if not self.recompute:
-            return self.model(x, y, docs=docs)[1]
         from torch.utils.checkpoint import checkpoint
 
         h = self.model.embed(x, docs=docs)
         for block in self.model.blocks:
-            h = checkpoint(block, h, docs=docs, use_reentrant=False)
-        return lm_loss(self.model.head(h), y)
+            if self.recompute:
+                h = checkpoint(block, h, docs=docs, use_reentrant=False)
+            else:
+                h = block(h, docs=docs)
+        return head_loss(self.model.head, h, y)  # as the swap engine's head: logits in chunks
 
     @torch.no_grad()
     def evaluate(self, batches, weights: list[float] | None = None) -> float:

@@ -48,16 +48,22 @@ def block_activation_elements_per_token(m: ModelConfig) -> int:
 
 
 def head_activation_bytes(m: ModelConfig, tokens: int, dt: int) -> int:
-    """The head's saved tensors: its input, norm output(s) and the fp32 log-softmax over the
-    vocabulary (B x T x V x 4: often the largest single buffer), plus int64 targets."""
+    """The head's saved tensors: its input, norm output(s), one fp32 log-sum-exp and an
+    int64 target per token (atom/model/head_loss.py: the logits are never whole), and one
+    chunk's logits in fp32 and the compute dtype while the forward makes them."""
+    from atom.model.head_loss import chunk_tokens
+
     norm_elems = 2 * m.d_model + 2 if m.arch == "gpt" else 3 * m.d_model + 1
-    return tokens * (norm_elems * dt + 4 * m.vocab_size + 8)
+    chunk = min(tokens, chunk_tokens(m.vocab_size)) * m.vocab_size * (4 + dt)
+    return tokens * (norm_elems * dt + 4 + 8) + chunk
 
 
 def head_workspace_bytes(m: ModelConfig, tokens: int, dt: int) -> int:
-    """Transients of the head's backward that autograd does not save: the fp32 gradient of
-    the log-softmax and of the logits, and the logits themselves in the compute dtype."""
-    return tokens * m.vocab_size * (4 + 4 + dt)
+    """Transients of the head's backward that autograd does not save: one chunk's logits
+    recomputed (compute dtype), their fp32 gradient and its compute-dtype copy."""
+    from atom.model.head_loss import chunk_tokens
+
+    return min(tokens, chunk_tokens(m.vocab_size)) * m.vocab_size * (dt + 4 + dt)
 
 
 @dataclass

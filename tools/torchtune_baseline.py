@@ -16,9 +16,9 @@ used. What it does, as torchtune's full_finetune_single_device recipe with its 8
 - bitsandbytes' PagedAdamW8bit where it imports (torchtune's choice), else torchao's
   AdamW8bit, else torch's AdamW (`--optimizer` picks one; the output says which ran).
 
-Not torchtune's: torch.compile and its chunked cross-entropy (atom's own loss, the logits
-whole in fp32), and the data (random tokens: the baseline is timed, not trained to a
-loss). On the CPU it runs too (tests: fp32, torch's AdamW), where it equals a plain loop.
+Not torchtune's: torch.compile, and the data (random tokens: the baseline is timed, not
+trained to a loss). The loss is atom's chunked cross-entropy, as torchtune's is chunked.
+On the CPU it runs too (tests: fp32, torch's AdamW), where it equals a plain loop.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from atom.config import Config, load_config
-from atom.model import build_model, lm_loss, materialize
+from atom.model import build_model, materialize
+from atom.model.head_loss import head_loss
 from atom.sizes import parse_bytes
 
 OPTIMIZERS = ("auto", "paged8bit", "ao8bit", "adamw")
@@ -92,7 +93,7 @@ def loss_of(model, x: torch.Tensor, y: torch.Tensor, recompute: bool = True) -> 
     h = model.embed(x)
     for block in model.blocks:
         h = checkpoint(block, h, use_reentrant=False) if recompute else block(h)
-    return lm_loss(model.head(h), y)
+    return head_loss(model.head, h, y)  # torchtune's chunked cross-entropy, as atom's
 
 
 def batches(cfg: Config, batch: int, steps: int, device: torch.device):

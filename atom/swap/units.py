@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from atom.model import LanguageModel, lm_loss
+from atom.model import LanguageModel
 from atom.model.documents import Documents
+from atom.model.head_loss import head_loss
 
 
 @dataclass(frozen=True)
@@ -72,10 +73,11 @@ class UnitModule(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def forward(self, h: torch.Tensor, targets=None, docs: Documents | None = None):
+        if self.kind == "head" and targets is not None:
+            (head,) = self.parts
+            return head_loss(head, h, targets)  # the logits never whole
         for part in self.parts:
             h = part(h) if self.kind == "head" else part(h, docs=docs)
-        if self.kind == "head" and targets is not None:
-            return lm_loss(h, targets)
         return h
 
 
