@@ -58,3 +58,19 @@ def test_bf16_tracks_fp32():
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     loss, loss32 = hl.linear_cross_entropy(x, w, t), hl.linear_cross_entropy(x32, w32, t)
     assert float(loss) == pytest.approx(float(loss32), rel=1e-2)
+
+
+def test_under_autocast_the_backward_recomputes_the_forwards_logits():
+    """The engines' resident path runs the loss under autocast, the backward outside it:
+    the recomputed logits must be the forward's (bf16 matmuls), or the softmax does not
+    sum to one and every gradient is off by its error."""
+    x, w, t = _case(torch.float32, vocab=300, d=64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = hl.linear_cross_entropy(x, w, t)
+        want = lm_loss(x @ w.t(), t)
+    g_got = torch.autograd.grad(got, [x, w])
+    g_want = torch.autograd.grad(want, [x, w])
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(g_got, g_want, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        assert (a - b).norm() <= 2e-3 * b.norm()

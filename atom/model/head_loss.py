@@ -32,9 +32,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         n, chunk = x.shape[0], chunk_tokens(weight.shape[0])
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        ctx.mm_dtype = x.dtype
         for s in range(0, n, chunk):
-            # the projection in the compute dtype, the softmax in fp32 (as lm_loss)
-            logits = (x[s : s + chunk] @ weight.t()).float()
+            # the projection in the compute dtype (autocast's, if on), the softmax in fp32
+            mm = x[s : s + chunk] @ weight.t()
+            ctx.mm_dtype = mm.dtype
+            logits = mm.float()
             lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
             tgt = targets[s : s + chunk]
             picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -50,18 +53,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         gw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         scale = grad / count
+        # the backward runs outside autocast: recompute in the forward's matmul dtype, so
+        # the logits are the forward's and the softmax sums to one
+        mm = ctx.mm_dtype
+        w = weight.to(mm)
         for s in range(0, n, chunk):
-            xs, tgt = x[s : s + chunk], targets[s : s + chunk]
+            xs, tgt = x[s : s + chunk].to(mm), targets[s : s + chunk]
             # d loss / d logits = (softmax - one-hot) / count, zero where no target counts
-            p = (xs @ weight.t()).float().sub_(lse[s : s + chunk, None]).exp_()
+            p = (xs @ w.t()).float().sub_(lse[s : s + chunk, None]).exp_()
             valid = tgt != IGNORE
             p.scatter_add_(1, tgt.clamp(min=0).unsqueeze(1), -valid.unsqueeze(1).to(p.dtype))
             p.mul_((scale * valid).unsqueeze(1))
-            g = p.to(x.dtype)
+            g = p.to(mm)
             if gx is not None:
-                torch.matmul(g, weight, out=gx[s : s + chunk])
-            if gw is not None:
-                gw.addmm_(g.t(), xs)
+                gx[s : s + chunk] = g @ w
+            if gw is not None and gw.dtype == mm:
+                gw.addmm_(g.t(), xs)  # in place: no weight-sized temporary per chunk
+            elif gw is not None:
+                gw += g.t() @ xs  # fp32 weights under autocast
         return gx, gw, None
 
 
