@@ -74,3 +74,19 @@ def test_under_autocast_the_backward_recomputes_the_forwards_logits():
     for a, b in zip(g_got, g_want, strict=True):
         assert a.dtype == b.dtype == torch.float32
         assert (a - b).norm() <= 2e-3 * b.norm()
+
+
+def test_one_chunk_keeps_its_softmax_instead_of_recomputing(monkeypatch):
+    """Every token in one chunk: the backward makes no projection of its own (small
+    models with large vocabularies would pay a third more head FLOPs), and the gradients
+    are the whole-logits ones."""
+    x, w, t = _case(torch.float32)
+    loss = hl.linear_cross_entropy(x, w, t)
+    calls = []
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: calls.append(1) or real(a, b))
+    gx, gw = torch.autograd.grad(loss, [x, w])
+    want = torch.autograd.grad(lm_loss(real(x, w.t()), t), [x, w])
+    assert len(calls) == 1  # the input gradient's product (the weight's is an addmm_): no logits
+    assert (gx - want[0]).abs().max() <= 1e-6 * want[0].abs().max()
+    assert (gw - want[1]).abs().max() <= 1e-6 * want[1].abs().max()
