@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
+
+from tools.rounds import interleaved, ratio
 
 KINDS = ("compiled", "eager", "fp32")
 
@@ -35,17 +34,6 @@ def measure_one(kind: str, numel: int) -> float:
     return measure_compact_update(numel, compiled=kind == "compiled") * 1e9
 
 
-def _in_process(kind: str, numel: int, threads: int) -> float:
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "tools.bench_host_update", "--one", kind, "--numel", str(numel)]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["ns_per_param"]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="measure the host update, compact vs fp32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -58,25 +46,16 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        print(json.dumps({"ns_per_param": measure_one(args.one, args.numel)}))
+        print(json.dumps({"value": measure_one(args.one, args.numel)}))
         return 0
-    got: dict[str, list[float]] = {k: [] for k in KINDS}
-    for r in range(args.rounds):
-        order = KINDS[r % 3 :] + KINDS[: r % 3]
-        for kind in order:
-            got[kind].append(_in_process(kind, args.numel, args.threads))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {got[k][-1]:.2f}" for k in KINDS))
-
-    def ratio(a: str, b: str) -> str:
-        rs = [x / y for x, y in zip(got[a], got[b], strict=True)]
-        return f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
-
+    got = interleaved("tools.bench_host_update", KINDS, args.rounds, args.numel, args.threads)
     med = {k: statistics.median(v) for k, v in got.items()}
+    pairs = [("compiled", "fp32"), ("eager", "fp32"), ("eager", "compiled")]
     print(
         f"threads {args.threads or 'default'}, {args.numel:,} parameters, {args.rounds} rounds, "
         f"ns/param (median): compact compiled {med['compiled']:.2f}, compact eager "
-        f"{med['eager']:.2f}, fp32 {med['fp32']:.2f}; compiled/fp32 {ratio('compiled', 'fp32')}, "
-        f"eager/fp32 {ratio('eager', 'fp32')}, eager/compiled {ratio('eager', 'compiled')}"
+        f"{med['eager']:.2f}, fp32 {med['fp32']:.2f}; "
+        + ", ".join(f"{a}/{b} {ratio(got, a, b)}" for a, b in pairs)
     )
     return 0
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
+
+from tools.rounds import interleaved, ratio
 
 KINDS = ("memcpy", "compact", "fp32", "add")
 
@@ -68,16 +67,6 @@ def measure_one(kind: str, numel: int, reps: int = 7) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
-def _in_process(kind: str, numel: int, threads: int) -> float:
-    env = dict(os.environ)
-    cmd = [sys.executable, "-m", "tools.bench_landing", "--one", kind, "--numel", str(numel)]
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-        cmd += ["--threads", str(threads)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["gbps"]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="the gradient landing against a memcpy")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
@@ -90,22 +79,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        print(json.dumps({"gbps": measure_one(args.one, args.numel)}))
+        print(json.dumps({"value": measure_one(args.one, args.numel)}))
         return 0
-    got: dict[str, list[float]] = {k: [] for k in KINDS}
-    for r in range(args.rounds):
-        for kind in KINDS[r % 4 :] + KINDS[: r % 4]:
-            got[kind].append(_in_process(kind, args.numel, args.threads))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {got[k][-1]:.2f}" for k in KINDS))
-
-    def of_memcpy(kind: str) -> str:
-        rs = [x / y for x, y in zip(got[kind], got["memcpy"], strict=True)]
-        return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
-
+    got = interleaved("tools.bench_landing", KINDS, args.rounds, args.numel, args.threads)
     print(
         f"threads {args.threads or 'default'}, {args.numel:,} bf16 elements, {args.rounds} "
         f"rounds; GB/s (median) memcpy {statistics.median(got['memcpy']):.2f}; of memcpy: "
-        + ", ".join(f"{k} {of_memcpy(k)}" for k in KINDS[1:])
+        + ", ".join(f"{k} {ratio(got, k, 'memcpy')}" for k in KINDS[1:])
     )
     return 0
 

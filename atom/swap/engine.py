@@ -66,11 +66,12 @@ class SwapEngine:
         self.dtype = compute_dtype
         self.model = build_model(cfg.model, device="meta")
         self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
-        # before any host memory: what crosses is the compute dtype, or the sums of several
-        # micro-batches: fp32, or bf16 when the host gradient is bf16 (compact state)
+        # before any host memory: the widest of what crosses, gradients as computed or the
+        # fp32 sums of several micro-batches
         compact = cfg.swap.state == "compact"
+        crossing = [crossing_dtype(d, compact) for d in (compute_dtype, torch.float32)]
         backend.size_staging(
-            max(u.n_total for u in self.units), compute_dtype if compact else torch.float32
+            max(u.n_total for u in self.units), max(crossing, key=lambda d: d.itemsize)
         )
         paged = cfg.swap.disk_dir is not None
         self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state, paged)
@@ -366,7 +367,7 @@ class SwapEngine:
         buf = self.store.buffers[u]
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
         self.ledger.sub(sum(g.nbytes for g in grads))
-        cross = crossing_dtype(grads[0].dtype, self.store)
+        cross = crossing_dtype(grads[0].dtype, self.store.compact)
         self.d2h_copies += 1
         self.d2h_bytes += sum(g.numel() for g in grads) * cross.itemsize
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0

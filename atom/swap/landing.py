@@ -14,11 +14,11 @@ from atom.swap.backend import Backend, Transfer
 from atom.swap.host_store import HostStore
 
 
-def crossing_dtype(grad: torch.dtype, store: HostStore) -> torch.dtype:
+def crossing_dtype(grad: torch.dtype, compact: bool) -> torch.dtype:
     """The dtype a gradient crosses in: as computed, except fp32 sums of several
     micro-batches in compact state, which cross rounded to the host gradient's bf16 (half
     the bytes; rounded on the device, as the landing would have rounded them)."""
-    return store.master_dtype if store.compact and grad == torch.float32 else grad
+    return torch.bfloat16 if compact and grad == torch.float32 else grad
 
 
 class GradientLanding:
