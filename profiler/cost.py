@@ -212,7 +212,9 @@ def predict(
     # an add into the fp32 host gradient), then the unit updates (norm, Adam, bf16 refresh).
     landing = passes * n * hw.accum_s_per_param
     adam = hw.compact_adam_s_per_param if c.state == "compact" else hw.adam_s_per_param
-    optimizer = n * adam
+    # plus each unit's update call: its Python, not its parameters (tens of units of a
+    # small model on a CPU: a few ms a step)
+    optimizer = n * adam + len(units) * hw.unit_update_overhead_s
     disk_io = first_read = 0.0
     if c.disk_tier:
         # every unit's record is read before its update and written back after it; reads

@@ -49,6 +49,8 @@ class HardwareSpec:
     measured: bool = False
     dtype: str = "auto"  # compute dtype: auto = bf16 on CUDA, fp32 on CPU; fp16 for pre-Ampere
     unit_overhead_s: float = 2e-4  # Python + launch cost of one unit visit
+    # host-side Python of one unit's update beyond its per-parameter cost (measured only)
+    unit_update_overhead_s: float = 0.0
     # swap.state=compact: one unit update (decode, AdamW, Kahan, encode), seconds per
     # parameter; compute-bound on the host's cores rather than DRAM-bound (see PRESETS)
     compact_adam_s_per_param: float = COMPACT_NS_PER_CORE * 1e-9 / COMPACT_PRESET_CORES
@@ -66,6 +68,7 @@ class HardwareSpec:
             "measured",
             "dtype",
             "unit_overhead_s",
+            "unit_update_overhead_s",
             "compact_adam_s_per_param",
             "disk_read_bps",
             "disk_write_bps",
@@ -272,36 +275,61 @@ def measure_disk(directory: str | Path, nbytes: int = 1 << 30, seconds: float = 
     return read, write
 
 
-def measure_unit_overhead(device: torch.device) -> float:
-    """Seconds the swap engine spends per unit visit beyond compute and copies: time a
-    training step of a model so small that its compute and copies are negligible."""
+def measure_unit_overhead(device: torch.device) -> tuple[float, float]:
+    """Seconds the swap engine spends beyond compute and copies: (per unit visit, per unit
+    update). Times training steps of a model so small that its copies and per-parameter
+    work are negligible, at 1 and 4 micro-batches, and subtracts the compute the cost model
+    already counts for the same model (its blocks, head and embedding timed alone, as
+    `measure_pieces` times every model): the residual is what the piece times miss. A
+    visit repeats with every micro-batch; a unit's update (its host-side Python: landing
+    hand-off, norm, optimizer call, refresh) once per step. Counting the whole tiny step
+    as overhead, as before, charged each visit its tiny block's compute a second time
+    (1.0 ms a visit here against 0.5 of residual) and over-predicted plans of many
+    micro-batches by 20-40%."""
     from atom.config import Config
+    from atom.profiler.timing import measure_pieces
     from atom.swap.backend import CpuBackend, CudaBackend
     from atom.swap.engine import SwapEngine
 
-    cfg = Config.from_dict(
-        {
-            "model": {"n_layer": 4, "n_head": 1, "d_model": 8, "seq_len": 8, "vocab_size": 16},
-            "train": {"micro_batch": 1, "grad_accum": 1},
-            "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": True},
-        }
-    )
+    def tiny(accum: int) -> Config:
+        return Config.from_dict(
+            {
+                "model": {"n_layer": 4, "n_head": 1, "d_model": 8, "seq_len": 8, "vocab_size": 16},
+                "train": {"micro_batch": 1, "grad_accum": accum},
+                "swap": {"layers_per_unit": 1, "prefetch": 1, "checkpoint": True},
+            }
+        )
+
     dtype = torch.float32
-    backend = CudaBackend(device, 1024, dtype) if device.type == "cuda" else CpuBackend()
-    engine = SwapEngine(cfg, backend, dtype)
     x = torch.zeros(1, 8, dtype=torch.long)
-    try:
 
-        def step() -> None:
-            engine.train_step([(x, x)], 1e-4)
-            engine.wait_idle()
+    def residual(accum: int) -> tuple[float, int]:
+        """(step seconds beyond the pieces' compute, units) at `accum` micro-batches."""
+        cfg = tiny(accum)
+        backend = CudaBackend(device, 1024, dtype) if device.type == "cuda" else CpuBackend()
+        engine = SwapEngine(cfg, backend, dtype)
+        batches = [(x, x)] * accum
+        try:
 
-        step()
-        per_step = _median_time(step, 7)
-    finally:
-        engine.close()
-    visits = len(engine.units) * 2 - 1  # forward of every unit, backward of all but the head
-    return per_step / visits
+            def step() -> None:
+                engine.train_step(batches, 1e-4)
+                engine.wait_idle()
+
+            step()
+            per_step = _median_time(step, 7)
+        finally:
+            engine.close()
+        t = measure_pieces(cfg.model, 1, device, dtype)
+        # checkpointed: every block runs forward twice (the pass, the recompute) and backward
+        blocks = cfg.model.n_layer * (2 * t.block_fwd + t.block_bwd)
+        return per_step - accum * (blocks + t.head + t.embed), len(engine.units)
+
+    one, units = residual(1)
+    four, _ = residual(4)
+    visits = 2 * units - 1  # forward of every unit, backward of all but the head
+    per_visit = max((four - one) / (3 * visits), 0.0)
+    per_update = max((one - visits * per_visit) / units, 0.0)
+    return per_visit, per_update
 
 
 def _copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
@@ -365,7 +393,7 @@ def _measure(
         "compact AdamW" + (" (compiled once, ~30 s)" if compiled_update else ""),
         lambda: measure_compact_update(compiled=compiled_update),
     )
-    overhead = phase("per-unit overhead", lambda: measure_unit_overhead(device))
+    overhead, update_overhead = phase("per-unit overhead", lambda: measure_unit_overhead(device))
     bar.set_postfix_str("bandwidth")
     if bar.disable:
         log.info("measuring this machine: host<->device bandwidth")
@@ -390,6 +418,7 @@ def _measure(
             host_shares_compute=True,
             measured=True,
             unit_overhead_s=overhead,
+            unit_update_overhead_s=update_overhead,
             compact_adam_s_per_param=compact,
         )
     free, total = torch.cuda.mem_get_info(device)
@@ -431,5 +460,6 @@ def _measure(
         host_shares_compute=False,
         measured=True,
         unit_overhead_s=overhead,
+        unit_update_overhead_s=update_overhead,
         compact_adam_s_per_param=compact,
     )

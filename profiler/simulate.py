@@ -158,6 +158,7 @@ class Machine:
                 adam_s_per_param=self.hw.adam_s_per_param * s,
                 accum_s_per_param=self.hw.accum_s_per_param * s,
                 unit_overhead_s=self.hw.unit_overhead_s * s,
+                unit_update_overhead_s=self.hw.unit_update_overhead_s * s,
                 h2d_bps=self.hw.h2d_bps / s,
                 d2h_bps=self.hw.d2h_bps / s,
                 duplex_h2d_bps=self.hw.duplex_h2d_bps / s,

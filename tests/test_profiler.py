@@ -248,14 +248,17 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     real = timing.measure_pieces
     tried = []
 
+    cfg = tiny_config(model={"n_layer": 2}, train={"micro_batch": 8, "grad_accum": 1})
+
     def measure(model_cfg, micro_batch, device, dtype, reps=5):
+        if model_cfg.d_model != cfg.model.d_model:  # the unit-overhead model's own pieces
+            return real(model_cfg, micro_batch, device, dtype, reps=1)
         tried.append(micro_batch)
         if micro_batch >= 4:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model_cfg, micro_batch, device, dtype, reps=1)
 
     monkeypatch.setattr(timing, "measure_pieces", measure)
-    cfg = tiny_config(model={"n_layer": 2}, train={"micro_batch": 8, "grad_accum": 1})
     plan, ranked, _ = run_profile(cfg, gpu_mem=256 * 2**20, host_mem=GiB, progress=False)
     assert tried == [1, 2, 4]  # stopped at the first size that did not fit
     assert plan.micro_batch == 2 and plan.grad_accum == 4
@@ -420,3 +423,24 @@ def test_the_block_timing_estimate_follows_the_measurements():
     clock.measured(2, 10.0)
     assert clock.seconds(8) == pytest.approx(40.0)
     assert say_seconds(40.0) == "40 s" and say_seconds(600.0) == "10 min"
+
+
+def test_unit_overhead_is_what_the_piece_times_leave_out(monkeypatch):
+    """The per-visit and per-update overheads are the tiny model's step beyond the compute
+    its piece times already account for (checkpointed blocks: two forwards and a backward),
+    split by the step's growth from 1 to 4 micro-batches. Counting the whole tiny step as
+    overhead charged each visit its blocks' compute twice."""
+    from atom.profiler import hardware, timing
+    from atom.profiler.timing import PieceTimes
+
+    pieces = PieceTimes(block_fwd=1e-3, block_bwd=2e-3, head=1e-3, embed=5e-4)
+    compute = 4 * (2 * pieces.block_fwd + pieces.block_bwd) + pieces.head + pieces.embed
+    visit, update, units = 2e-4, 5e-4, 6  # 4 one-layer units, the embedding and the head
+    steps = iter(a * compute + a * (2 * units - 1) * visit + units * update for a in (1, 4))
+    monkeypatch.setattr(timing, "measure_pieces", lambda *a, **k: pieces)
+    monkeypatch.setattr(hardware, "_median_time", lambda fn, reps: next(steps))
+    got_visit, got_update = hardware.measure_unit_overhead(torch.device("cpu"))
+    assert got_visit == pytest.approx(visit) and got_update == pytest.approx(update)
+    # a step faster than its pieces (noise) is no overhead, never a negative one
+    steps = iter([0.5 * compute, 2 * compute])
+    assert hardware.measure_unit_overhead(torch.device("cpu")) == (0.0, 0.0)
