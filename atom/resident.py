@@ -15,6 +15,7 @@ import torch
 from atom.config import Config, ConfigError
 from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model, materialize
+from atom.model.compiled_blocks import compile_blocks, hidden_state, wanted
 from atom.model.documents import micro_batch
 from atom.model.head_loss import head_loss
 from atom.optim import init_state, make_optimizer, optimizer_step_count, set_lr
@@ -41,6 +42,12 @@ class ResidentEngine:
         no_decay = [p for p in self.params.values() if p.dim() < 2]
         self.opt = make_optimizer(decay, no_decay, cfg.train)
         self.scaler = torch.amp.GradScaler(device.type) if compute_dtype == torch.float16 else None
+        self.blocks_compiled = False
+        if wanted(cfg.train.compile_blocks, device):
+            example = hidden_state(cfg, device, torch.float32)  # fp32 weights, autocast
+            self.blocks_compiled = compile_blocks(
+                list(self.model.blocks), example, context=self._autocast
+            )
         self._activation_peak = 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

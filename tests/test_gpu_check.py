@@ -20,11 +20,12 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     sections = report["sections"]
     assert set(sections) == {"env", "bandwidth", "tests", "attention", "equivalence", "fits",
-                             "tiers", "big", "deepspeed", "torchtune"}  # fmt: skip
+                             "tiers", "big", "deepspeed", "torchtune", "compile"}  # fmt: skip
     assert report["failed"] == []
     tune = sections["torchtune"]  # the baseline ran, on the CPU, beside big's atom run
     assert tune["tokens_per_s"] > 0 and tune["atom_over_torchtune"] > 0
     assert sections["equivalence"]["worst_fp32_rel_err"] <= 1e-5
+    assert sections["compile"]["compiled"] and sections["compile"]["loss_rel_drift"] <= 1e-4
     big = sections["big"]
     assert big["train_exit"] == 0 and big["peak_over_predicted"] > 0
     assert {(v["order"], v["update"]) for v in big["variants"]} == {

@@ -35,6 +35,9 @@ Sections:
   torchtune    torchtune's single-device full fine-tune (bf16 weights on the card, the
                optimizer stepped in the backward, 8-bit paged AdamW where bitsandbytes
                imports) on `big`'s model, cap and batch, without accumulation
+  compile      train.compile_blocks: a LLaMA slice's swapped steps with compiled blocks
+               and eager ones: whether they compiled, the compile's seconds, step times,
+               the losses' drift
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import time
 import traceback
 from pathlib import Path
 
+from tools.gpu_compile import compile_section
 from tools.gpu_proc import DEADLINE_ENV, ROOT, SkipSection, run_child, seconds_left
 from tools.gpu_sections import (
     attention_section,
@@ -98,7 +102,8 @@ class Report:
 
 # The least time (s) a section needs to say anything useful; with less left it is skipped.
 MIN_SECONDS = {"env": 5, "bandwidth": 20, "tests": 60, "attention": 20, "equivalence": 60,
-               "fits": 60, "tiers": 60, "big": 120, "deepspeed": 90, "torchtune": 45}  # fmt: skip
+               "fits": 60, "tiers": 60, "big": 120, "deepspeed": 90, "torchtune": 45,
+               "compile": 120}  # fmt: skip
 
 
 def call_section(fn, *args) -> dict:
@@ -251,6 +256,7 @@ SECTIONS = {
     "big": big_section,
     "deepspeed": deepspeed_section,
     "torchtune": torchtune_section,
+    "compile": compile_section,
 }
 
 if __name__ == "__main__":

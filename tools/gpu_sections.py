@@ -110,6 +110,9 @@ def _tiny(device: str, **sections):
             "warmup_steps": 2,
             "device": device,
             "dtype": "fp32",
+            # eager blocks: equal to the resident engine's to 1e-5, and no compile per
+            # engine (the `compile` section measures compiled blocks)
+            "compile_blocks": "off",
         },
         "swap": {"layers_per_unit": 1, "prefetch": 1},
     }

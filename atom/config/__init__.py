@@ -138,6 +138,10 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables (lets updates overlap backward)
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # torch.compile the transformer blocks (atom/model/compiled_blocks.py): auto = on CUDA,
+    # where Inductor's fused kernels pay for the minute the first compile takes; on = on the
+    # CPU too; off = eager. Where they do not compile, a warning and eager blocks.
+    compile_blocks: Literal["auto", "on", "off"] = "auto"
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # compute dtype on the device
     optimizer: Literal["adamw", "deepspeed"] = "adamw"  # torch fused | DeepSpeedCPUAdam
     eval_interval: int = 100

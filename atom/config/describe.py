@@ -53,6 +53,8 @@ DESCRIPTIONS: dict[str, str] = {
     "the backward)",
     "train.seed": "seed of the initialisation and of the batches (a resumed run sees the "
     "same batches)",
+    "train.compile_blocks": "torch.compile the transformer blocks: `auto` (on CUDA), `on`, "
+    "`off`; falls back to eager blocks with a warning where they do not compile",
     "train.device": "`auto` (the GPU if there is one), `cpu`, `cuda` or `cuda:N`",
     "train.dtype": "compute dtype on the device: `auto` (bf16 on a GPU, fp16 with loss "
     "scaling on cards without bf16, fp32 on CPU), `fp32`, `bf16`, `fp16`",

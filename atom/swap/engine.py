@@ -33,6 +33,7 @@ from atom.compact_kernel import CompiledChunkUpdate
 from atom.config import Config
 from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model
+from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
 from atom.model.documents import micro_batch
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
 from atom.swap.backend import Backend
@@ -66,6 +67,12 @@ class SwapEngine:
         self.dtype = compute_dtype
         self.model = build_model(cfg.model, device="meta")
         self.units: list[UnitSpec] = partition(self.model, cfg.swap.layers_per_unit)
+        self.blocks_compiled = False
+        if wanted(cfg.train.compile_blocks, backend.device):  # before the device fills up
+            blocks = [part for u in self.units if u.kind == "blocks" for part in u.module.parts]
+            example = hidden_state(cfg, backend.device, compute_dtype)
+            bind = stand_in_params(backend.device, compute_dtype)
+            self.blocks_compiled = compile_blocks(blocks, example, bind)
         # before any host memory: the widest of what crosses, gradients as computed or the
         # fp32 sums of several micro-batches
         compact = cfg.swap.state == "compact"

@@ -1,0 +1,159 @@
+"""train.compile_blocks: the blocks under torch.compile train as the eager ones do; a
+compile that fails says so once and leaves eager blocks; packed documents and generation
+run the eager forward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from atom.config import ConfigError
+from atom.model import compiled_blocks
+from atom.model.documents import Documents
+from atom.optim import lr_at
+from atom.resident import ResidentEngine
+from atom.swap.backend import CpuBackend
+from atom.swap.engine import SwapEngine
+from tests.conftest import tiny_config
+from tests.test_swap_equivalence import batches_for, rel_err
+
+STEPS = 3
+
+
+def _train(engine, cfg, steps=STEPS) -> list[float]:
+    losses = []
+    for step in range(steps):
+        losses.append(engine.train_step(batches_for(step, cfg), lr_at(step, cfg.train)).loss)
+    return losses
+
+
+def _swap(cfg):
+    return SwapEngine(cfg, CpuBackend(), torch.float32)
+
+
+def _trained(cfg) -> tuple[list[float], dict, bool]:
+    """A swapped engine's losses over STEPS steps, its weights after, whether it compiled."""
+    engine = _swap(cfg)
+    try:
+        return _train(engine, cfg), engine.named_parameters(), engine.blocks_compiled
+    finally:
+        engine.close()
+
+
+def _resident(cfg):
+    return ResidentEngine(cfg, torch.device("cpu"), torch.float32)
+
+
+class CountingCompile:
+    """torch.compile's stand-in: the function itself, counting the calls it serves."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, fn, **_):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("make", [_swap, _resident], ids=["swap", "resident"])
+def test_plain_calls_take_the_compiled_forward_and_documents_the_eager_one(make, monkeypatch):
+    fake = CountingCompile()
+    monkeypatch.setattr(compiled_blocks.torch, "compile", fake)
+    cfg = tiny_config(model={"n_layer": 2}, train={"compile_blocks": "on"})
+    engine = make(cfg)
+    try:
+        assert engine.blocks_compiled
+        trial = fake.calls
+        assert trial == 2  # the trial: a no-grad forward, a forward with its backward
+        _train(engine, cfg, 1)
+        # every block: the forward (checkpointed: and its recompute in the backward)
+        assert fake.calls > trial
+        block = engine.model.blocks[0]
+        before = fake.calls
+        x = torch.randn(2, 8, cfg.model.d_model)
+        docs = Documents(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2))
+        if isinstance(engine, ResidentEngine):  # real weights: the two paths agree
+            torch.testing.assert_close(block(x, docs=None), type(block).forward(block, x))
+            assert fake.calls == before + 1
+            block(x, docs=docs)
+            assert fake.calls == before + 1  # packed documents: eager
+    finally:
+        getattr(engine, "close", lambda: None)()
+
+
+def test_off_and_auto_on_a_cpu_leave_the_blocks_alone(monkeypatch):
+    fake = CountingCompile()
+    monkeypatch.setattr(compiled_blocks.torch, "compile", fake)
+    for setting in ("off", "auto"):
+        cfg = tiny_config(train={"compile_blocks": setting})
+        engine = _swap(cfg)
+        try:
+            assert not engine.blocks_compiled
+            assert not any(compiled_blocks.is_compiled(b) for b in engine.model.blocks)
+            _train(engine, cfg, 1)
+        finally:
+            engine.close()
+    assert fake.calls == 0
+    assert compiled_blocks.wanted("auto", torch.device("cuda"))
+    assert not compiled_blocks.wanted("off", torch.device("cuda"))
+
+
+def test_a_bad_setting_is_one_clear_error():
+    with pytest.raises((ConfigError, ValueError), match="compile_blocks"):
+        tiny_config(train={"compile_blocks": "yes"})
+
+
+def test_a_compile_that_fails_says_so_once_and_trains_eagerly(monkeypatch, caplog):
+    """The failure comes at the first call, as Inductor's do (a missing C++ compiler):
+    the trial catches it before any step, and training equals the eager engine's."""
+
+    def broken(fn, **_):
+        def call(*args, **kwargs):
+            raise RuntimeError("Compiler: cc is not found\nmore detail")
+
+        return call
+
+    expected, expected_params, _ = _trained(tiny_config(train={"compile_blocks": "off"}))
+    monkeypatch.setattr(compiled_blocks.torch, "compile", broken)
+    cfg = tiny_config(train={"compile_blocks": "on"})
+    with caplog.at_level(logging.WARNING, logger="atom.model.compiled_blocks"):
+        engine = _swap(cfg)
+    try:
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1
+        line = warnings[0].getMessage()
+        assert "do not compile" in line and "cc is not found" in line
+        assert "compile_blocks=off" in line and "\n" not in line
+        assert not engine.blocks_compiled
+        assert _train(engine, cfg) == expected
+        got = engine.named_parameters()
+        assert all(torch.equal(got[k], v) for k, v in expected_params.items())
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch,checkpoint", [("gpt", True), ("llama", False)], ids=["gpt-ckpt", "llama"]
+)
+def test_compiled_blocks_train_as_the_eager_ones(arch, checkpoint):
+    """The CPU twin of the CUDA default: Inductor's blocks against eager ones, a few steps
+    of the swap engine (checkpointed: the no-grad forward and the recompute are separate
+    graphs), and the resident engine under the same setting."""
+    shape = {"arch": arch, "n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16}
+    swap = {"checkpoint": checkpoint}
+    eager_cfg = tiny_config(model=shape, swap=swap, train={"compile_blocks": "off"})
+    cfg = tiny_config(model=shape, swap=swap, train={"compile_blocks": "on"})
+    expected, expected_params, _ = _trained(eager_cfg)
+    losses, got, compiled = _trained(cfg)
+    assert compiled
+    assert losses == pytest.approx(expected, rel=1e-4)
+    assert max(rel_err(got[k], v) for k, v in expected_params.items()) < 1e-3
+    resident = _resident(cfg)
+    assert resident.blocks_compiled
+    assert _train(resident, cfg) == pytest.approx(expected, rel=1e-4)
