@@ -13,11 +13,14 @@ state's summed gradients cross in bf16 and train exactly as on the CPU backend.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from atom.optim import lr_at
-from atom.swap.backend import CpuBackend
+from atom.swap import landing as landing_mod
+from atom.swap.backend import CpuBackend, Transfer
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config
 from tests.fake_cuda import cuda_backend
@@ -151,3 +154,39 @@ def test_the_engine_pins_its_units_and_one_unit_of_staging_and_trains_exactly(mo
         assert rel_err(got[name], p) <= 1e-5, name
     n_params = sum(p.numel() for p in want.values())
     assert sent <= 2 * n_params * crossing * 1.1  # two steps, each unit once per step
+
+
+@pytest.mark.parametrize(
+    "numel", [5, landing_mod.SCRATCH_ELEMENTS, 2 * landing_mod.SCRATCH_ELEMENTS + 7]
+)
+def test_a_bf16_gradient_adds_into_the_fp32_one_a_cache_sized_slice_at_a_time(numel):
+    """Micro-batch-major's later landings add bf16 pieces into the fp32 host gradient
+    through a scratch of SCRATCH_ELEMENTS, whole pieces and per-parameter lists alike:
+    every element as torch's own widening add."""
+    gen = torch.Generator().manual_seed(numel)
+    grad = torch.randn(numel + 3, generator=gen)
+    flat = torch.randn(numel, generator=gen).bfloat16()
+    cut = numel // 3
+    params = [(0, cut), (cut, numel - cut)]  # (offset, numel): two parameters
+    pieces = [[(3, flat)], [(0, [flat[:cut], flat[cut:]])]]
+
+    class Pieces:  # the backend's contract, on host memory
+        def __init__(self, out):
+            self.out = out
+
+        def host_pieces(self, t):
+            yield from self.out
+
+        def release_host(self, t) -> None:
+            pass
+
+    for out in pieces:
+        g = grad.clone()
+        offset = out[0][0]
+        entries = [SimpleNamespace(offset=offset + o, numel=n, shape=(n,)) for o, n in params]
+        landing = landing_mod.GradientLanding(Pieces(out), [g], [entries])
+        landing.land(0, Transfer(), first=False)
+        expected = grad.clone()
+        expected[offset : offset + numel] += flat.float()
+        assert torch.equal(g, expected)
+        assert landing._scratch.numel() == landing_mod.SCRATCH_ELEMENTS

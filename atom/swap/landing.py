@@ -13,6 +13,10 @@ import torch
 from atom.swap.backend import Backend, Transfer
 from atom.swap.host_store import HostStore
 
+# fp32 elements of the mixed-dtype landing's scratch: 1 MiB, a core's L2 on current CPUs,
+# so a slice converted into it is still in cache when the add reads it
+SCRATCH_ELEMENTS = 1 << 18
+
 
 def crossing_dtype(grad: torch.dtype, compact: bool) -> torch.dtype:
     """The dtype a gradient crosses in: as computed, except fp32 sums of several
@@ -28,7 +32,7 @@ class GradientLanding:
 
     def __init__(self, backend: Backend, grads: list[torch.Tensor], params: list[list]):
         self.backend, self.grads, self.params = backend, grads, params
-        self._scratch: torch.Tensor | None = None  # host fp32, for mixed-dtype landings
+        self._scratch: torch.Tensor | None = None  # fp32, for mixed-dtype landings
         # per-parameter views of each unit's host gradient, in unit.params order
         self._views = [
             [grad[p.offset : p.offset + p.numel].view(p.shape) for p in ps]
@@ -51,18 +55,20 @@ class GradientLanding:
             elif src[0].dtype == dst[0].dtype:
                 torch._foreach_add_(dst, src)
             else:
-                # torch's mixed-dtype add (bf16 into fp32) measured ~4x slower than a
-                # conversion into fp32 scratch followed by an add
-                scratch = self._scratch_like(u, src)
-                torch._foreach_copy_(scratch, src)
-                torch._foreach_add_(dst, scratch)
+                self._add_widened(dst, src)
         self.backend.release_host(transfer)
 
-    def _scratch_like(self, u: int, src: list[torch.Tensor]) -> list[torch.Tensor]:
-        """fp32 scratch laid out like `src`: one flat piece of a gradient, or unit u's
-        parameters."""
+    def _add_widened(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        """dst (fp32) += src (bf16). torch's mixed-dtype add measured ~4x slower than a
+        conversion into fp32 scratch followed by an add; a scratch as large as the unit
+        sends both passes through DRAM (18 bytes an element), so the conversion goes a
+        cache-sized slice at a time and the add reads it back from cache (10 bytes)."""
         if self._scratch is None:
-            self._scratch = torch.empty(max(g.numel() for g in self.grads))
-        if len(src) == 1:
-            return [self._scratch[: src[0].numel()].view(src[0].shape)]
-        return [self._scratch[p.offset : p.offset + p.numel].view(p.shape) for p in self.params[u]]
+            self._scratch = torch.empty(SCRATCH_ELEMENTS)
+        for d, s in zip(dst, src, strict=True):
+            d, s = d.view(-1), s.view(-1)
+            for k in range(0, s.numel(), SCRATCH_ELEMENTS):
+                piece = s[k : k + SCRATCH_ELEMENTS]
+                scratch = self._scratch[: piece.numel()]
+                scratch.copy_(piece)
+                d[k : k + piece.numel()].add_(scratch)
