@@ -250,7 +250,7 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
 
     cfg = tiny_config(model={"n_layer": 2}, train={"micro_batch": 8, "grad_accum": 1})
 
-    def measure(model_cfg, micro_batch, device, dtype, reps=5):
+    def measure(model_cfg, micro_batch, device, dtype, reps=5, compiled=False):
         if model_cfg.d_model != cfg.model.d_model:  # the unit-overhead model's own pieces
             return real(model_cfg, micro_batch, device, dtype, reps=1)
         tried.append(micro_batch)
@@ -260,7 +260,8 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
 
     monkeypatch.setattr(timing, "measure_pieces", measure)
     plan, ranked, _ = run_profile(cfg, gpu_mem=256 * 2**20, host_mem=GiB, progress=False)
-    assert tried == [1, 2, 4]  # stopped at the first size that did not fit
+    assert tried[:3] == [1, 2, 4]  # stopped at the first size that did not fit
+    assert set(tried[3:]) == {1, 2}  # timed again in turn (cheap), never the size that failed
     assert plan.micro_batch == 2 and plan.grad_accum == 4
     assert all(r.candidate.micro_batch < 4 for r in ranked)
 
@@ -444,3 +445,30 @@ def test_unit_overhead_is_what_the_piece_times_leave_out(monkeypatch):
     # a step faster than its pieces (noise) is no overhead, never a negative one
     steps = iter([0.5 * compute, 2 * compute])
     assert hardware.measure_unit_overhead(torch.device("cpu")) == (0.0, 0.0)
+
+
+def test_cheap_piece_timings_are_repeated_and_keep_their_fastest(monkeypatch, tmp_path):
+    """A slow moment inflates one micro-batch size's pieces: while timing is cheap, every
+    size is timed again in turn and each piece keeps its fastest run."""
+    from atom.profiler import timing
+    from atom.profiler.timing import PieceTimes
+
+    monkeypatch.setenv("ATOM_CACHE", str(tmp_path))
+    runs: dict[int, int] = {}
+    cfg = tiny_config(model={"n_layer": 2}, train={"micro_batch": 4, "grad_accum": 1})
+    real = timing.measure_pieces
+
+    def measure(model_cfg, micro_batch, device, dtype, reps=5, compiled=False):
+        if model_cfg.d_model != cfg.model.d_model:  # the unit-overhead model's own pieces
+            return real(model_cfg, micro_batch, device, dtype, reps=1)
+        k = runs[micro_batch] = runs.get(micro_batch, 0) + 1
+        slow = 10.0 if (micro_batch, k) == (2, 1) else 1.0  # micro-batch 2's first pass
+        t = 1e-3 * micro_batch
+        return PieceTimes(t * slow, 2 * t * (3.0 if k == 2 else 1.0), t, t / 4)
+
+    monkeypatch.setattr(timing, "measure_pieces", measure)
+    run_profile(cfg, host_mem=GiB, progress=False)
+    assert runs == {1: timing.MAX_PASSES, 2: timing.MAX_PASSES, 4: timing.MAX_PASSES}
+    cache = timing.TimingCache(timing.cache_key(cfg, torch.device("cpu"), torch.float32))
+    assert cache.pieces(2) == PieceTimes(2e-3, 4e-3, 2e-3, 5e-4)  # each piece's fastest
+    assert timing.extra_passes(timing.REPEAT_BELOW_S) == 0  # expensive timing: one pass
