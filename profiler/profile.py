@@ -117,8 +117,7 @@ def run_profile(
                 log.info("timing one block at %s", ahead)
             try:
                 started = time.perf_counter()
-                times = timing.measure_pieces(cfg.model, mb, device, dtype, compiled=compiled)
-                cache.put_pieces(mb, times)
+                cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
                 clock.measured(mb, time.perf_counter() - started)
             except torch.cuda.OutOfMemoryError:
                 # One block (or the head's B x T x V logits) at this micro-batch does not
@@ -135,12 +134,19 @@ def run_profile(
         timed = [b for b in missing if cache.pieces(b) is not None]
         for _ in range(timing.extra_passes(time.perf_counter() - first_pass) if timed else 0):
             for mb in timed:
-                again = timing.measure_pieces(cfg.model, mb, device, dtype, compiled=compiled)
+                again = timing.measure_pieces(cfg.model, mb, device, dtype)
                 cache.put_pieces(mb, timing.fastest(cache.pieces(mb), again))
+        if compiled and timed and "compiled_factor" not in cache.data:
+            log.info("timing one compiled block at micro-batch %d (compiles once)", timed[-1])
+            cache.data["compiled_factor"] = timing.compiled_factor(
+                cfg.model, timed[-1], device, dtype, cache.pieces(timed[-1])
+            )
+        factor = cache.data.get("compiled_factor", 1.0) if compiled else 1.0
         cache.save()
 
         def times_for(mb: int, a: ModelAnalysis):
-            return cache.pieces(mb)  # None: not measurable here (out of memory)
+            t = cache.pieces(mb)  # None: not measurable here (out of memory)
+            return t and timing.blocks_scaled(t, factor)
 
     scored = search(cfg, hw, dtype, target, times_for)
     ranked = choose(scored, hw, cfg, dtype)

@@ -125,6 +125,24 @@ def fastest(a: PieceTimes, b: PieceTimes) -> PieceTimes:
     return PieceTimes(*(min(x, y) for x, y in zip(astuple(a), astuple(b), strict=True)))
 
 
+def compiled_factor(
+    model_cfg: ModelConfig, micro_batch: int, device: torch.device, dtype: torch.dtype,
+    eager: PieceTimes,
+) -> float:  # fmt: skip
+    """What train.compile_blocks makes of a block's time: compiled over eager forward and
+    backward at one micro-batch. The other sizes are timed eagerly and scaled by it, so that
+    `atom profile` compiles once (a minute for an 8B block), not once per size."""
+    try:
+        c = measure_pieces(model_cfg, micro_batch, device, dtype, compiled=True)
+    except torch.cuda.OutOfMemoryError:  # Inductor's buffers at the largest size: no gain
+        return 1.0
+    return (c.block_fwd + c.block_bwd) / max(eager.block_fwd + eager.block_bwd, 1e-12)
+
+
+def blocks_scaled(t: PieceTimes, factor: float) -> PieceTimes:
+    return PieceTimes(t.block_fwd * factor, t.block_bwd * factor, t.head, t.embed)
+
+
 def extra_passes(first_pass_s: float) -> int:
     """Passes to add after the first, which took `first_pass_s`."""
     return MAX_PASSES - 1 if first_pass_s * MAX_PASSES <= REPEAT_BELOW_S else 0

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+import torch._dynamo
 
 from atom.config import ConfigError
 from atom.model import compiled_blocks
@@ -150,8 +151,18 @@ def test_compiled_blocks_train_as_the_eager_ones(arch, checkpoint):
     eager_cfg = tiny_config(model=shape, swap=swap, train={"compile_blocks": "off"})
     cfg = tiny_config(model=shape, swap=swap, train={"compile_blocks": "on"})
     expected, expected_params, _ = _trained(eager_cfg)
-    losses, got, compiled = _trained(cfg)
-    assert compiled
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]
+    engine = _swap(cfg)
+    try:
+        assert engine.blocks_compiled
+        trial_graphs = graphs["unique_graphs"]
+        losses, got = _train(engine, cfg), engine.named_parameters()
+        # the trial compiled every graph the steps run: none compiles mid-step, where a
+        # failure could no longer fall back
+        assert graphs["unique_graphs"] == trial_graphs
+    finally:
+        engine.close()
     assert losses == pytest.approx(expected, rel=1e-4)
     assert max(rel_err(got[k], v) for k, v in expected_params.items()) < 1e-3
     resident = _resident(cfg)

@@ -472,3 +472,39 @@ def test_cheap_piece_timings_are_repeated_and_keep_their_fastest(monkeypatch, tm
     cache = timing.TimingCache(timing.cache_key(cfg, torch.device("cpu"), torch.float32))
     assert cache.pieces(2) == PieceTimes(2e-3, 4e-3, 2e-3, 5e-4)  # each piece's fastest
     assert timing.extra_passes(timing.REPEAT_BELOW_S) == 0  # expensive timing: one pass
+
+
+def test_compiled_blocks_are_timed_once_and_scale_every_size(monkeypatch, tmp_path):
+    """With train.compile_blocks on, `atom profile` times every micro-batch size eagerly
+    and one size compiled (a compile per size would take minutes for an 8B block); the
+    ratio scales the blocks' times of every size, not the head's or the embedding's."""
+    from atom.profiler import timing
+    from atom.profiler.timing import PieceTimes
+
+    monkeypatch.setenv("ATOM_CACHE", str(tmp_path))
+    real = timing.measure_pieces
+    compiled_calls = []
+
+    def measure(model_cfg, micro_batch, device, dtype, reps=5, compiled=False):
+        if model_cfg.d_model == 8:  # the unit-overhead model's own pieces
+            return real(model_cfg, micro_batch, device, dtype, reps=1)
+        if compiled:
+            compiled_calls.append(micro_batch)
+        t = 1e-3 * micro_batch * (0.5 if compiled else 1.0)
+        return PieceTimes(t, 2 * t, 1e-3 * micro_batch, 1e-4)
+
+    monkeypatch.setattr(timing, "measure_pieces", measure)
+    predicted = {}
+    for setting in ("off", "on"):
+        cfg = tiny_config(train={"micro_batch": 4, "grad_accum": 1, "compile_blocks": setting})
+        _, ranked, _ = run_profile(cfg, host_mem=GiB, progress=False)
+        predicted[setting] = {
+            (r.candidate.micro_batch, r.candidate.grad_accum, r.candidate.layers_per_unit,
+             r.candidate.checkpoint, r.candidate.order): r.prediction.detail["compute_s"]
+            for r in ranked
+        }  # fmt: skip
+    assert compiled_calls == [4]  # one size, the largest
+    cache = timing.TimingCache(timing.cache_key(cfg, torch.device("cpu"), torch.float32))
+    assert cache.data["compiled_factor"] == pytest.approx(0.5)
+    for key, off in predicted["off"].items():
+        assert predicted["on"][key] < off  # the blocks' half, less the head's

@@ -114,16 +114,13 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
     path = Path(spec)
     if spec == "measured":
         from atom.device import resolve_device
-        from atom.model.compiled_blocks import wanted
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype))
         hw = cached_hardware(cfg, device, dtype, cache)
         for mb in sizes:
             if cache.pieces(mb) is None:
-                compiled = wanted(cfg.train.compile_blocks, device)
-                times = timing.measure_pieces(cfg.model, mb, device, dtype, compiled=compiled)
-                cache.put_pieces(mb, times)
+                cache.put_pieces(mb, timing.measure_pieces(cfg.model, mb, device, dtype))
         cache.save()
         table = {mb: cache.pieces(mb) for mb in sizes}
         label = f"{hw.name} (measured)"

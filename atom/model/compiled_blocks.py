@@ -51,15 +51,26 @@ def _trial(
     example: torch.Tensor,
     params: Sequence[torch.Tensor],
     context: Callable[[], AbstractContextManager],
+    bound: bool,
 ) -> None:
     """The compiled block's forward without and with a graph, and its backward. An eager
     forward first fills the model's caches (RoPE tables, window masks): compiled before
-    them, each graph would guard on their absence and compile again at its next call."""
+    them, each graph would guard on their absence and compile again at its next call.
+    `bound`: the parameters are stand-ins for a slot's tensors, which the swap engine's
+    no-grad passes bind as plain views (not leaves): so do they here, or that pass would
+    compile again in the first step, where a failure could no longer fall back."""
+    for p in params if bound else ():
+        p.requires_grad_(False)
     with torch.no_grad(), context():
         type(block).forward(block, example)
         block(example)
+    for p in params if bound else ():
+        p.requires_grad_(True)
     x = example.detach().requires_grad_()
-    with context():
+    # as the swap engine's forward runs: under saved-tensor hooks that pack some tensors
+    # as other objects (atom/swap/slots.py), so a compile they change is tried here too
+    packed = torch.autograd.graph.saved_tensors_hooks(lambda t: (t,), lambda box: box[0])
+    with context(), packed:
         out = block(x)
     torch.autograd.grad(out.float().square().mean(), [x, *params])
 
@@ -90,7 +101,7 @@ def compile_blocks(
         params = [p for p in first.parameters() if p.requires_grad]
         unbind = lambda: None  # noqa: E731
     try:
-        _trial(first, example, params, context)
+        _trial(first, example, params, context, bound=bind is not None)
     except Exception as err:  # no compiler, no Triton, an op Inductor cannot lower
         uncompile(first)
         log.warning(
