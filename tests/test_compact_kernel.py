@@ -94,6 +94,29 @@ def test_without_a_compiler_the_eager_update_runs_and_says_so_once(monkeypatch, 
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
 
 
+def test_a_compile_that_fails_in_the_second_half_leaves_no_chunk_half_updated(monkeypatch):
+    """The moments-and-master half compiles and would write the master; the encoding half
+    then fails to compile. The first compiles run on copies, so the chunk is updated once,
+    eagerly, exactly as without a compiler."""
+
+    def encode_fails(fn, **kw):
+        if fn is compact_kernel.encode_moments:
+
+            def fail(*a):
+                raise RuntimeError("CppCompileError: C++ compile error")
+
+            return fail
+        return fn  # the first half "compiles" (runs as written) and writes
+
+    monkeypatch.setattr(compact_kernel.torch, "compile", encode_fails)
+    fused = CompiledChunkUpdate(0.9, 0.95)
+    mine = _run(fused)
+    ref = _run(None)
+    assert not fused.available
+    for name in ("master", "comp", "m_codes", "s_codes", "m_scales", "s_scales"):
+        assert torch.equal(getattr(mine, name), getattr(ref, name)), name
+
+
 @pytest.mark.parametrize("compile_update", [True, False])
 def test_the_engine_compiles_only_when_asked(compile_update):
     from atom.swap.backend import CpuBackend
