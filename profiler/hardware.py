@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 GiB = 2**30
 # One core's time for a compact unit update, ns per parameter: 7.8 on an EPYC core for the
 # eager update (`python -m tools.bench_host_update --threads 1`, docs/benchmarks.md, 6-7x
-# torch's fused fp32 update); the compiled one (swap.compile_update, the default) ran
-# 1.6-2.4x faster than the eager one on the same core, side by side: 7.8 / 1.6. Presets
-# assume 4 cores' worth: a desktop's 8 at the scaling measured here (2 threads ran 1.4-1.5x
-# faster than one).
-COMPACT_NS_PER_CORE = 4.9
+# torch's fused fp32 update); the compiled one (swap.compile_update, the default; in two
+# loops since 2026-11-27) ran 2.3-4.4x faster than the eager one on the same cores, side
+# by side (1 and 2 threads): 7.8 / 2.3. Presets assume 4 cores' worth: a desktop's 8 at
+# the scaling measured here (2 threads ran 1.4-1.5x faster than one).
+COMPACT_NS_PER_CORE = 3.4
 COMPACT_PRESET_CORES = 4
 
 
