@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 
 from atom.config import ConfigError
-from atom.model import compiled_blocks
+from atom.model import build_model, compiled_blocks, materialize
 from atom.model.documents import Documents
 from atom.optim import lr_at
 from atom.resident import ResidentEngine
@@ -168,3 +168,25 @@ def test_compiled_blocks_train_as_the_eager_ones(arch, checkpoint):
     resident = _resident(cfg)
     assert resident.blocks_compiled
     assert _train(resident, cfg) == pytest.approx(expected, rel=1e-4)
+
+
+def test_running_out_of_device_memory_in_the_trial_is_not_called_a_compile_failure(
+    monkeypatch,
+):
+    """One block at the step's micro-batch not fitting is the plan's problem, not the
+    compiler's: the error goes up as it is (no warning that blames the compiler, no
+    eager fallback that would run out of memory a moment later)."""
+
+    def oom(fn, **_):
+        def call(*args, **kwargs):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        return call
+
+    monkeypatch.setattr(compiled_blocks.torch, "compile", oom)
+    cfg = tiny_config(train={"compile_blocks": "on"})
+    net = materialize(build_model(cfg.model), 0, device=torch.device("cpu"))
+    example = compiled_blocks.hidden_state(cfg, torch.device("cpu"), torch.float32)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        compiled_blocks.compile_blocks(list(net.blocks), example)
+    assert not any(compiled_blocks.is_compiled(b) for b in net.blocks)

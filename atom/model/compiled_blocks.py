@@ -102,6 +102,9 @@ def compile_blocks(
         unbind = lambda: None  # noqa: E731
     try:
         _trial(first, example, params, context, bound=bind is not None)
+    except torch.cuda.OutOfMemoryError:
+        uncompile(first)  # one block at this micro-batch does not fit: not the compiler's
+        raise
     except Exception as err:  # no compiler, no Triton, an op Inductor cannot lower
         uncompile(first)
         log.warning(
