@@ -12,9 +12,9 @@ the Kahan compensation instead of the master (master + compensation, the value K
 tracks, agrees). A run uses one path throughout, so a resume is exact either way.
 
 Only whole chunks of CHUNK elements, decayed all or none, come here: one shape, so one
-compile of each half per process (Inductor caches them on disk for the next). A unit's last, shorter
-chunk, a chunk the decay boundary cuts, and every unit smaller than a chunk take the
-eager path. Where the compiler is missing (no C++ compiler; a torch without Inductor) the
+compile of each half per process (Inductor caches them on disk for the next). A unit's
+last, shorter chunk, a chunk the decay boundary cuts, and every unit smaller than a chunk
+take the eager path. Where the compiler is missing (no C++ compiler; a torch without Inductor) the
 first call (on copies of the chunk) fails before it touches anything, says so once, and
 the eager path does all.
 """
@@ -73,8 +73,9 @@ class CompiledChunkUpdate:
     use and shared by the unit optimizers of one engine, with their fp32 scratch for the
     moments (8 MiB). Two compiled loops, not one: in one, Inductor recomputed the decoded
     moments and AdamW for each pass the encoding makes over a block (its maximum, then the
-    codes), and the update ran 1.5-1.7x slower than with the moments written to scratch in
-    between (6.4-6.8 against 4.1 ns a parameter on one core here). `__call__` returns
+    codes), and the update ran 1.2-1.4x slower than with the moments written to scratch in
+    between (`python -m tools.bench_host_update`: 6.84 against 5.75 ns a parameter on one
+    core, 4.33 against 3.09 on two; docs/benchmarks.md). `__call__` returns
     False, having touched nothing, once the compile has failed: the caller updates that
     chunk eagerly."""
 

@@ -284,7 +284,7 @@ def measure_unit_overhead(device: torch.device) -> tuple[float, float]:
     visit repeats with every micro-batch; a unit's update (its host-side Python: landing
     hand-off, norm, optimizer call, refresh) once per step. Counting the whole tiny step
     as overhead, as before, charged each visit its tiny block's compute a second time
-    (1.0 ms a visit here against 0.5 of residual) and over-predicted plans of many
+    (1.0 ms a visit here against 0.17-0.22 of residual) and over-predicted plans of many
     micro-batches by 20-40%."""
     from atom.config import Config
     from atom.profiler.timing import measure_pieces

@@ -136,10 +136,13 @@ def run_profile(
             for mb in timed:
                 again = timing.measure_pieces(cfg.model, mb, device, dtype)
                 cache.put_pieces(mb, timing.fastest(cache.pieces(mb), again))
-        if compiled and timed and "compiled_factor" not in cache.data:
-            log.info("timing one compiled block at micro-batch %d (compiles once)", timed[-1])
+        # every size is timed eagerly (and cached whatever the setting); one, compiled,
+        # gives the ratio train.compile_blocks applies to them all
+        known = [b for b in sizes if cache.pieces(b) is not None]
+        if compiled and known and "compiled_factor" not in cache.data:
+            log.info("timing one compiled block at micro-batch %d (compiles once)", known[-1])
             cache.data["compiled_factor"] = timing.compiled_factor(
-                cfg.model, timed[-1], device, dtype, cache.pieces(timed[-1])
+                cfg.model, known[-1], device, dtype, cache.pieces(known[-1])
             )
         factor = cache.data.get("compiled_factor", 1.0) if compiled else 1.0
         cache.save()

@@ -19,7 +19,7 @@ import torch
 
 from atom.config import Config, ModelConfig
 from atom.model import build_model, materialize
-from atom.model.compiled_blocks import compile_blocks, wanted
+from atom.model.compiled_blocks import compile_blocks
 from atom.model.head_loss import head_loss
 from atom.profiler.analysis import ModelAnalysis
 from atom.profiler.hardware import HardwareSpec
@@ -204,7 +204,6 @@ def cache_key(cfg: Config, device: torch.device, dtype: torch.dtype) -> str:
         gpu,
         torch.__version__,
         cfg.swap.compile_update,  # the compact update's measured rate depends on it
-        wanted(cfg.train.compile_blocks, device),  # and the blocks' on this
         HARDWARE_MODEL,  # what the cached measurements mean
     ]
     blob = json.dumps([model, machine, str(dtype)], sort_keys=True, default=str)

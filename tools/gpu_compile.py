@@ -33,7 +33,7 @@ def _run(cfg, steps: int) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         return {
-            "compiled": getattr(engine, "blocks_compiled", False),
+            "compiled": engine.blocks_compiled,
             "build_s": round(built, 1),
             "first_step_s": round(times[0], 3),
             "step_s": round(min(times[1:]), 4),

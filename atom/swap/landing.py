@@ -31,7 +31,7 @@ class GradientLanding:
     calls `land`, one landing at a time (its fp32 scratch is shared)."""
 
     def __init__(self, backend: Backend, grads: list[torch.Tensor], params: list[list]):
-        self.backend, self.grads, self.params = backend, grads, params
+        self.backend, self.grads = backend, grads
         self._scratch: torch.Tensor | None = None  # fp32, for mixed-dtype landings
         # per-parameter views of each unit's host gradient, in unit.params order
         self._views = [
