@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +128,72 @@ def test_missing_data_is_said_before_a_taken_run_directory(finished, capsys):
     code, _, err = run_cli(capsys, "train", "--out", str(finished), "--set",
                            "train.data=/no/such/data", "--no-progress")  # fmt: skip
     assert code == 2 and "/no/such/data" in err and "already holds" not in err
+
+
+def test_a_run_directory_is_claimed_by_one_process_at_a_time(tmp_path):
+    """The claim names its holder, and a directory it created and nothing else wrote (a
+    refused or failed command) is gone with it."""
+    from atom.errors import ConfigError
+    from atom.run_dir import claim
+
+    run = tmp_path / "runs" / "busy"
+    with claim(run):
+        with pytest.raises(ConfigError) as refused:
+            claim(run)  # another open file description: refused like another process
+        assert f"PID {os.getpid()}" in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "runs").exists()
+    with claim(tmp_path / "kept") as held:
+        (held.path / "metrics.jsonl").write_text("")
+    assert (tmp_path / "kept" / "metrics.jsonl").exists()
+    with claim(tmp_path / "kept"):  # released: the next command takes it
+        pass
+
+
+def _wait_for(predicate, what: str, proc, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"{what}: the first training exited {proc.returncode}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.multiprocess
+def test_two_trainings_on_one_run_directory(tmp_path, text_dataset, capsys):
+    """issue 42: `atom train --out runs/busy` twice at once both ran, interleaving
+    metrics.jsonl, and the refusal's own advice (--resume) then ran a second writer beside
+    the first. The second is refused with the first's PID (exit 2), a new run and a resume
+    alike; once the first is SIGKILLed its claim is taken over and the run resumes."""
+    out = tmp_path / "busy"
+    cmd = [sys.executable, "-m", "atom.cli", "train", "--out", str(out), "--max-steps",
+           "100000", "--set", "train.ckpt_interval=5", *_sets(text_dataset)]  # fmt: skip
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: bool(_checkpoints(out) if (out / "checkpoints").exists() else []),
+                  "a checkpoint", first)  # fmt: skip
+        for argv in (["--out", str(out)], ["--resume", str(out)]):
+            code, _, err = run_cli(capsys, "train", *argv, *_sets(text_dataset))
+            assert code == 2 and len(err.strip().splitlines()) == 1, err
+            assert f"in use by another atom process (PID {first.pid}: atom train" in err
+        first.kill()  # SIGKILL: no chance to release anything itself
+        first.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(30)
+    steps = _steps(out)
+    assert steps == sorted(steps)  # one writer: no interleaved records
+    resumed = int(_checkpoints(out)[-1].split("_")[1])
+    code, _, err = run_cli(capsys, "train", "--resume", str(out), "--max-steps",
+                           str(resumed + 2), *_sets(text_dataset))  # fmt: skip
+    assert code == 0, err
+    assert _steps(out)[-1] == resumed + 2
+
+
+def test_an_export_into_a_run_being_trained_is_refused(finished, capsys):
+    from atom.run_dir import claim
+
+    with claim(finished):  # as a training there holds it
+        code, _, err = run_cli(capsys, "export", str(finished), "--hf", str(finished / "hf"))
+        assert code == 2 and f"PID {os.getpid()}" in err and "export outside it" in err
+    code, _, err = run_cli(capsys, "export", str(finished), "--hf", str(finished / "hf"))
+    assert code == 0, err

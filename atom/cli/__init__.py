@@ -10,6 +10,7 @@ simulate.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -279,8 +280,12 @@ def cmd_prepare(args) -> int:
 
 def cmd_export(args) -> int:
     from atom.hf import export_hf
+    from atom.run_dir import claim, enclosing_run
 
-    s = export_hf(Path(args.run), Path(args.hf), args.dtype, args.max_shard_size)
+    # an export into a run directory writes it: not while a training there does
+    inside = enclosing_run(Path(args.hf).absolute())
+    with claim(inside, "export outside it") if inside else contextlib.nullcontext():
+        s = export_hf(Path(args.run), Path(args.hf), args.dtype, args.max_shard_size)
     print(
         f"atom: exported step {s.step} as {s.family} ({s.dtype}, {s.shards} shard(s), "
         f"{s.bytes / 2**20:.1f} MiB, tokenizer: {', '.join(s.tokenizer_files) or 'none'}) "

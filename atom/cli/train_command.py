@@ -73,7 +73,7 @@ def resolve_run(args):
             f"{cfg.train.max_steps}: nothing to train; continue it with --max-steps N "
             f"(N > {resumed.step})"
         )
-    out = run_dir.choose(args.out, args.resume, _peer_flags(args))
+    claim = run_dir.choose(args.out, args.resume, _peer_flags(args))  # held until the end
     for change in changes:
         print(f"atom: resuming with {change}", flush=True)
     if saved is None and plan is None and not args.resident:  # a resumed run keeps its own
@@ -84,13 +84,18 @@ def resolve_run(args):
             "this machine",
             flush=True,
         )
-    return cfg, plan, out
+    return cfg, plan, claim
 
 
 def cmd_train(args) -> int:
+    cfg, plan, claim = resolve_run(args)
+    with claim:  # one process writes a run directory at a time (atom/run_dir.py RunLock)
+        return _train(args, cfg, plan, claim.path)
+
+
+def _train(args, cfg, plan, out: Path) -> int:
     from atom.train import Trainer, host_bytes_needed
 
-    cfg, plan, out = resolve_run(args)
     trainer = Trainer(
         cfg,
         out,
