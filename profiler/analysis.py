@@ -119,8 +119,8 @@ class ModelAnalysis:
 
     def record_bytes(self, state: str) -> list[int]:
         """Per unit, the cold state the NVMe tier keeps on disk (master and moments; in
-        compact state also the compensation and block scales), 4 KiB-aligned regions."""
-        from atom.compact_adamw import BLOCK, padded
+        compact state also the remainder and block scales), 4 KiB-aligned regions."""
+        from atom.optim.compact import BLOCK, padded
         from atom.swap.disk_tier import ALIGN
 
         def aligned(n: int) -> int:
@@ -143,13 +143,13 @@ class ModelAnalysis:
         """Host RAM for model state, as atom/swap/host_store.py allocates it.
 
         fp32 (swap.state): master, gradient and two Adam moments, 16 bytes per parameter.
-        compact: bf16 master + bf16 Kahan compensation + bf16 gradient + two 8-bit moments
+        compact: bf16 master + int16 remainder + bf16 gradient + two 8-bit moments
         with an fp32 scale per block, ~8 bytes, and a few chunks of fp32 scratch.
         Plus, per unit, the compute-dtype copy that crosses the bus, except where master is
         that copy (same dtype, no tied aliases), and the gradient of tied aliases.
         disk (swap.disk_dir): master and moments live on disk; RAM keeps the bus copy and
         the gradient of every unit, and `disk_slots` records of the largest unit."""
-        from atom.compact_adamw import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
+        from atom.optim.compact import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
 
         compact = state == "compact"
         master_dtype = torch.bfloat16 if compact else torch.float32
@@ -162,7 +162,7 @@ class ModelAnalysis:
                 grads + copies + scratch + max(2, disk_slots) * max(self.record_bytes(state))
             )
         moments = self.n_params * (2 + 8 / BLOCK) if compact else self.n_params * 8
-        masters = self.n_params * 4  # fp32 master, or bf16 master + bf16 compensation
+        masters = self.n_params * 4  # fp32 master, or bf16 master + int16 remainder
         copies = sum(
             u.n_total * dtype_bytes(dtype)
             for u in self.units

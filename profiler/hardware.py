@@ -51,7 +51,7 @@ class HardwareSpec:
     unit_overhead_s: float = 2e-4  # Python + launch cost of one unit visit
     # host-side Python of one unit's update beyond its per-parameter cost (measured only)
     unit_update_overhead_s: float = 0.0
-    # swap.state=compact: one unit update (decode, AdamW, Kahan, encode), seconds per
+    # swap.state=compact: one unit update (decode, AdamW, remainder split, encode), seconds per
     # parameter; compute-bound on the host's cores rather than DRAM-bound (see PRESETS)
     compact_adam_s_per_param: float = COMPACT_NS_PER_CORE * 1e-9 / COMPACT_PRESET_CORES
     # the NVMe tier's disk (swap.disk_dir), large sequential transfers; 0: none known
@@ -222,16 +222,16 @@ def measure_host_optimizer(
 def measure_compact_update(numel: int = 8_000_000, compiled: bool = True) -> float:
     """Seconds per parameter of one CompactAdamW unit update (swap.state=compact), the
     engine's own code on a unit of `numel` parameters (`compiled`: swap.compile_update)."""
-    from atom.compact_adamw import ChunkScratch, CompactAdamW
-    from atom.compact_kernel import CompiledChunkUpdate
     from atom.config import TrainConfig
+    from atom.optim.compact import ChunkScratch, CompactAdamW
+    from atom.optim.compact_kernel import CompiledChunkUpdate
 
     cfg = TrainConfig()
     master = torch.full((numel,), 0.02, dtype=torch.bfloat16)
-    comp = torch.zeros(numel, dtype=torch.bfloat16)
+    rem = torch.zeros(numel, dtype=torch.int16)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
     fused = CompiledChunkUpdate(cfg.beta1, cfg.beta2) if compiled else None
-    opt = CompactAdamW(master, comp, grad, numel, numel, cfg, ChunkScratch(numel), False, fused)
+    opt = CompactAdamW(master, rem, grad, numel, numel, cfg, ChunkScratch(numel), False, fused)
     opt.step(1e-4)  # first touch of the state (and a compile) is not per-step cost
     return _median_time(lambda: opt.step(1e-4), 5) / numel
 

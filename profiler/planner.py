@@ -301,7 +301,7 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
     fastest = min((s for s in fp32 if s.fits_device), key=lambda s: s.prediction.step_s,
                   default=None)  # fmt: skip
     what = {
-        "compact": "bf16 weights with Kahan compensation, 8-bit Adam moments",
+        "compact": "fp32 weights kept as bf16 + a 16-bit remainder, 8-bit Adam moments",
         "fp32": "fp32 weights and moments",
     }[best.state]
     p = ranked[0].prediction

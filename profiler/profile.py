@@ -9,10 +9,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from atom.compact_adamw import CHUNK
 from atom.config import Config, ConfigError, replace
 from atom.device import DTYPES
 from atom.model.compiled_blocks import wanted
+from atom.optim.compact import CHUNK
 from atom.profiler import hardware, timing
 from atom.profiler.analysis import ModelAnalysis
 from atom.profiler.planner import Plan, Scored, choose, make_plan, search, state_notes

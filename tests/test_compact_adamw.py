@@ -1,5 +1,5 @@
-"""Compact host state (swap.state: compact): the 8-bit moment codec, the Kahan-compensated
-bf16 AdamW against torch's fp32 AdamW, checkpoints in the fp32 format, and the engine.
+"""Compact host state (swap.state: compact): the 8-bit moment codec, the AdamW on the
+bf16 + remainder master against torch's fp32 AdamW, checkpoints in the fp32 format, and the engine.
 
     pytest tests/test_compact_adamw.py
 """
@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
-from atom.compact_adamw import BLOCK, ChunkScratch, CompactAdamW, decode, encode, padded
 from atom.config import ConfigError, TrainConfig
 from atom.optim import lr_at
+from atom.optim.compact import BLOCK, ChunkScratch, CompactAdamW, decode, encode, padded
+from atom.optim.remainder import join, split
 from atom.resident import ResidentEngine
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
@@ -58,12 +59,10 @@ def test_encode_keeps_each_block_in_range_and_zero_blocks_zero():
 
 
 def _compact(n: int, n_decay: int, cfg: TrainConfig, init: torch.Tensor):
-    master = torch.empty(n, dtype=torch.bfloat16)
-    master.copy_(init)
-    comp = (init - master.float()).bfloat16()
+    master, rem = split(init.clone())
     grad = torch.zeros(n, dtype=torch.bfloat16)
-    opt = CompactAdamW(master, comp, grad, n, n_decay, cfg, ChunkScratch(n))
-    return opt, master, comp, grad
+    opt = CompactAdamW(master, rem, grad, n, n_decay, cfg, ChunkScratch(n))
+    return opt, master, rem, grad
 
 
 def test_compact_adamw_follows_torch_adamw():
@@ -80,7 +79,7 @@ def test_compact_adamw_follows_torch_adamw():
     torch_opt = torch.optim.AdamW(
         [{"params": [ref], "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.99), eps=1e-8
     )
-    opt, master, comp, grad = _compact(n, n_decay, cfg, init)
+    opt, master, rem, grad = _compact(n, n_decay, cfg, init)
     scale = torch.exp(torch.randn(n, generator=g))  # per-element gradient scales
     for _ in range(30):
         lr = 1e-3
@@ -91,24 +90,30 @@ def test_compact_adamw_follows_torch_adamw():
         torch_opt.step()
         grad.copy_(gr)
         opt.step(lr)
-    got = master.float() + comp.float()
+    got = join(master, rem)
     moved, want = got - init, ref.detach() - init
     assert float((moved - want).norm() / want.norm()) < 0.08
     assert opt.steps == 30
 
 
-def test_kahan_keeps_updates_smaller_than_half_a_bf16_ulp():
+def test_remainder_keeps_updates_smaller_than_half_a_bf16_ulp():
     """lr 1e-4 on weights of 1.0 (bf16 ulp 2^-7): each update is lost by plain bf16
-    rounding (master would stay at 1.0, 0.02 off); master + comp follows fp32 to within
-    the compensation's own bf16 rounding, and master itself moves once they add up."""
+    rounding (master would stay at 1.0, 0.02 off). A constant gradient makes every moment
+    exact in 8 bits, so the master (bf16 + remainder) follows fp32 AdamW to fp32's own
+    rounding (a bf16 Kahan compensation was ~3e-5 off here), and the bf16 weight moves."""
     cfg = TrainConfig(weight_decay=0.0)
     n = BLOCK
-    opt, master, comp, grad = _compact(n, 0, cfg, torch.ones(n))
+    opt, master, rem, grad = _compact(n, 0, cfg, torch.ones(n))
     grad.fill_(1.0)
     for _ in range(200):
         opt.step(1e-4)  # Adam's step is ~lr for a constant gradient
-    value = master.float() + comp.float()
-    assert torch.allclose(value, torch.full((n,), 1 - 200e-4), atol=5e-4)
+    ref = torch.ones(n, requires_grad=True)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-4, weight_decay=0.0, eps=1e-8)
+    for _ in range(200):
+        ref.grad = torch.ones(n)
+        torch_opt.step()
+    value = join(master, rem)
+    assert torch.allclose(value, ref.detach(), rtol=0, atol=2e-6)
     assert (master.float() < 1.0).all()
 
 
@@ -128,7 +133,7 @@ def test_clip_coefficient_scales_the_gradient():
 def test_state_round_trips_through_the_fp32_checkpoint_format():
     cfg = TrainConfig()
     n = padded(1000) + 3
-    opt, master, comp, grad = _compact(n, n, cfg, torch.randn(n) * 0.02)
+    opt, master, rem, grad = _compact(n, n, cfg, torch.randn(n) * 0.02)
     for _ in range(3):
         grad.copy_(torch.randn(n) * 1e-2)
         opt.step(1e-3)
@@ -179,14 +184,14 @@ def test_compact_engine_trains_like_fp32(accum, order):
 
 
 def test_compact_host_bytes_per_parameter():
-    """Master, compensation, gradient and moments: 8 bytes per parameter (plus block
+    """Master, remainder, gradient and moments: 8 bytes per parameter (plus block
     scales); the fp32 compute copy the CPU backend needs is the bus copy, counted apart."""
     cfg = tiny_config(swap={"state": "compact"}, model={"tie_embeddings": False})
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     try:
         store = engine.store
         n = sum(b.spec.n_owned for b in store.buffers)
-        state = sum(b.master.nbytes + b.comp.nbytes + b.grad.nbytes for b in store.buffers) + sum(
+        state = sum(b.master.nbytes + b.rem.nbytes + b.grad.nbytes for b in store.buffers) + sum(
             o.nbytes() for o in engine.optimizers
         )
         assert state / n <= 8.1
@@ -222,7 +227,7 @@ def _train_save_continue(cfg, tmp_path, steps: int, more: int):
 
 def test_compact_checkpoint_resume_continues_the_run(tmp_path):
     """Save after 4 steps, load into a fresh compact engine, train on: the same losses as
-    the run that never stopped (Kahan state and moments survive the fp32 format)."""
+    the run that never stopped (the exact master and the moments survive the fp32 format)."""
     from atom.checkpoint import load_checkpoint
 
     cfg = tiny_config(swap={"state": "compact"}, train={"lr": 3e-3})
@@ -239,7 +244,7 @@ def test_compact_checkpoint_resume_continues_the_run(tmp_path):
 
 def test_fp32_checkpoint_resumes_into_compact(tmp_path):
     """Checkpoints have one format: an fp32-state run's checkpoint loads into a compact
-    engine (weights to bf16 + compensation, moments to 8 bits) and its loss carries on."""
+    engine (weights to bf16 + remainder, exactly; moments to 8 bits) and its loss carries on."""
     from atom.checkpoint import load_checkpoint
 
     path, tail = _train_save_continue(tiny_config(train={"lr": 3e-3}), tmp_path, 6, 3)
@@ -253,15 +258,15 @@ def test_fp32_checkpoint_resumes_into_compact(tmp_path):
     finally:
         b.close()
     for name, t in loaded.items():
-        # master + comp: two bf16s hold ~16 significant bits of the fp32 value
-        assert torch.allclose(t, get(name), rtol=2**-15, atol=1e-12), name
+        assert torch.equal(t, get(name)), name  # bf16 + remainder: the fp32 value exactly
     for x, y in zip(resumed, tail, strict=True):
         assert abs(x - y) < 0.02 * y
 
 
-def test_peers_merge_into_compact_master_and_compensation():
+def test_peers_merge_into_compact_master_and_remainder():
     """Gossip's door into the engine (UnitParams) sees fp32 weights in compact state too:
-    a snapshot is master + comp, and a merged delta smaller than a bf16 ulp is kept."""
+    a snapshot is master joined with its remainder, and a merged delta smaller than a bf16
+    ulp is kept as fp32 would keep it."""
     from atom.gossip.merge import UnitParams
 
     cfg = tiny_config(swap={"state": "compact"})
@@ -274,11 +279,10 @@ def test_peers_merge_into_compact_master_and_compensation():
         delta = torch.full_like(before, 1e-5)  # far below bf16's resolution at 0.02
         params.add(unit, delta)
         after = params.snapshot(unit)
-        # kept to master + comp's ~16 significant bits of the weight
-        assert (((after - before) - delta).abs() <= before.abs() * 2**-15 + 1e-9).all()
+        assert torch.equal(after, before + delta)  # the fp32 sum, bit for bit
         buf = engine.store.buffers[unit]
         assert torch.equal(buf.compute[: buf.spec.n_owned], buf.master.float())  # bus copy
         params.load(unit, before)
-        assert torch.allclose(params.snapshot(unit), before, rtol=2**-15, atol=1e-12)
+        assert torch.equal(params.snapshot(unit), before)
     finally:
         engine.close()

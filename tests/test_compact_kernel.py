@@ -13,10 +13,11 @@ import logging
 import pytest
 import torch
 
-from atom import compact_kernel
-from atom.compact_adamw import BLOCK, CHUNK, ChunkScratch, CompactAdamW
-from atom.compact_kernel import CompiledChunkUpdate
 from atom.config import TrainConfig
+from atom.optim import compact_kernel
+from atom.optim.compact import BLOCK, CHUNK, ChunkScratch, CompactAdamW
+from atom.optim.compact_kernel import CompiledChunkUpdate
+from atom.optim.remainder import join, split
 
 # two whole chunks and a short one; the decay boundary inside the second chunk: chunk 0
 # is compiled (decayed), chunk 1 is cut by the boundary (eager), chunk 2 is short (eager)
@@ -27,10 +28,9 @@ N_DECAY = CHUNK + 5 * BLOCK
 def _pair(cfg: TrainConfig, fused) -> tuple[CompactAdamW, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     init = torch.randn(N, generator=g) * 0.02
-    master = init.bfloat16()
-    comp = (init - master.float()).bfloat16()
+    master, rem = split(init)
     grad = torch.zeros(N, dtype=torch.bfloat16)
-    opt = CompactAdamW(master, comp, grad, N, N_DECAY, cfg, ChunkScratch(N), False, fused)
+    opt = CompactAdamW(master, rem, grad, N, N_DECAY, cfg, ChunkScratch(N), False, fused)
     return opt, grad
 
 
@@ -51,7 +51,7 @@ def _run(fused, steps: int = 4, coef: float = 0.5):
 def test_compiled_chunks_follow_the_eager_update():
     """Whole decayed chunks run compiled; the rest eagerly. A moment's code is at most its
     float8 neighbour (an fp32 value one ulp apart rounds to the next code), so the weights
-    (master + compensation, what Kahan tracks) follow the eager trajectory to ~1% of the
+    (the fp32 master, bf16 + remainder) follow the eager trajectory to ~1% of the
     distance travelled (measured 1.3%; a flipped code of a tiny sqrt(v) moves that element's
     step by up to ~10%, both roundings equally valid); the chunks run eagerly are bit-equal."""
     fused = CompiledChunkUpdate(0.9, 0.95)
@@ -60,12 +60,12 @@ def test_compiled_chunks_follow_the_eager_update():
     assert fused.available and fused.compile_s is not None
 
     def tracked(opt):
-        return (opt.master.float() + opt.comp.float())[:CHUNK]
+        return join(opt.master, opt.rem)[:CHUNK]
 
     moved = tracked(ref) - tracked(start)
     assert moved.norm() > 0 and not torch.equal(tracked(mine), tracked(start))
     assert (tracked(mine) - tracked(ref)).norm() <= 0.03 * moved.norm()
-    for name in ("master", "comp", "m_codes", "s_codes"):  # eager there
+    for name in ("master", "rem", "m_codes", "s_codes"):  # eager there
         assert torch.equal(getattr(mine, name)[CHUNK:], getattr(ref, name)[CHUNK:]), name
     # one step from the same state: the same values, summed in another order
     one, ref_one = _run(fused, steps=1), _run(None, steps=1)
@@ -84,13 +84,13 @@ def test_without_a_compiler_the_eager_update_runs_and_says_so_once(monkeypatch, 
 
     monkeypatch.setattr(compact_kernel.torch, "compile", no_compiler)
     fused = CompiledChunkUpdate(0.9, 0.95)
-    with caplog.at_level(logging.WARNING, logger="atom.compact_kernel"):
+    with caplog.at_level(logging.WARNING, logger="atom.optim.compact_kernel"):
         mine = _run(fused)
     ref = _run(None)
     assert not fused.available
     assert caplog.text.count("does not compile here") == 1
     assert "swap.compile_update=false" in caplog.text
-    for name in ("master", "comp", "m_codes", "s_codes", "m_scales", "s_scales"):
+    for name in ("master", "rem", "m_codes", "s_codes", "m_scales", "s_scales"):
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
 
 
@@ -113,7 +113,7 @@ def test_a_compile_that_fails_in_the_second_half_leaves_no_chunk_half_updated(mo
     mine = _run(fused)
     ref = _run(None)
     assert not fused.available
-    for name in ("master", "comp", "m_codes", "s_codes", "m_scales", "s_scales"):
+    for name in ("master", "rem", "m_codes", "s_codes", "m_scales", "s_scales"):
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
 
 

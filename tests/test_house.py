@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOORS = {
     "atom.errors": 0, "atom.config": 0, "atom.sizes": 0, "atom.device": 0,
     "atom.engine_protocol": 0, "atom.threads": 0,
-    "atom.model": 1, "atom.optim": 1, "atom.compact_adamw": 1, "atom.compact_kernel": 1,
+    "atom.model": 1, "atom.optim": 1,
     "atom.text": 1,
     "atom.tokenize": 1, "atom.checkpoint": 1, "atom.run_dir": 1, "atom.atomic_dir": 0,
     "atom.swap": 2, "atom.resident": 2, "atom.data": 2, "atom.hf": 2, "atom.gossip.net": 2,

@@ -1,4 +1,4 @@
-"""The host update per parameter: compact state (bf16 + Kahan, 8-bit moments), compiled
+"""The host update per parameter: compact state (bf16 + remainder, 8-bit moments), compiled
 (swap.compile_update, the default) and eager, against fp32 state (the norm, torch's fused
 AdamW, the bf16 refresh), as the profiler measures them.
 

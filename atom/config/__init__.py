@@ -206,9 +206,10 @@ class SwapConfig:
     resident_units: int = 0
     # Host state per parameter. "fp32": fp32 master, gradient and Adam moments (16 bytes,
     # plus the compute-dtype copy for the bus); training equals plain PyTorch. "compact":
-    # bf16 master with Kahan compensation, bf16 gradient, 8-bit block-scaled moments (8
-    # bytes, and the master doubles as the bf16 bus copy): for models whose fp32 state does
-    # not fit host RAM (atom/compact_adamw.py). `atom profile` picks it when fp32 does not fit.
+    # the fp32 master as bf16 + a 16-bit remainder (exact), bf16 gradient, 8-bit
+    # block-scaled moments (8 bytes, and the bf16 half doubles as the bus copy): for models
+    # whose fp32 state does not fit host RAM (atom/optim/compact.py). `atom profile` picks
+    # it when fp32 does not fit.
     state: Literal["fp32", "compact"] = "fp32"
     # compact state: update whole chunks of a unit (2^20 parameters) with one loop compiled
     # by torch.compile (needs a C++ compiler; the first run compiles for ~30 s, later runs

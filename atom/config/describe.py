@@ -82,8 +82,8 @@ DESCRIPTIONS: dict[str, str] = {
     "swap.update": "`exact` (equals plain PyTorch) or `eager` (units update as their "
     "gradients land, clipped by the previous step's norm)",
     "swap.resident_units": "block units kept on the device all step in extra slots",
-    "swap.state": "host state: `fp32` (16 bytes a parameter) or `compact` (8: bf16 + Kahan "
-    "master, 8-bit Adam moments)",
+    "swap.state": "host state: `fp32` (16 bytes a parameter) or `compact` (8: the fp32 "
+    "master exactly as bf16 + a 16-bit remainder, 8-bit Adam moments)",
     "swap.compile_update": "compact state: update whole chunks with one torch.compile'd "
     "loop (a C++ compiler; ~30 s the first time, cached); falls back to the eager update "
     "with a warning",

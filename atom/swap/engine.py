@@ -28,14 +28,14 @@ from collections.abc import Callable
 
 import torch
 
-from atom.compact_adamw import ChunkScratch, CompactAdamW
-from atom.compact_kernel import CompiledChunkUpdate
 from atom.config import Config
 from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
 from atom.model import build_model
 from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
 from atom.model.documents import micro_batch
 from atom.optim import STATE_KEYS, TorchUnitOptimizer
+from atom.optim.compact import ChunkScratch, CompactAdamW
+from atom.optim.compact_kernel import CompiledChunkUpdate
 from atom.swap.backend import Backend
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.host_store import HostStore, gather_owned
@@ -152,7 +152,7 @@ class SwapEngine:
         return [
             CompactAdamW(
                 b.master,
-                b.comp,
+                b.rem,
                 b.grad,
                 b.spec.n_owned,
                 b.spec.n_decay,

@@ -2,8 +2,9 @@
 
 Per unit:
   master   owned params only: what the optimizer updates and checkpoints save; fp32, or
-           bf16 with `comp` (swap.state: compact, atom/compact_adamw.py)
-  comp     compact only: bf16 Kahan compensation, master + comp is the weight's value
+           bf16 with `rem` (swap.state: compact, atom/optim/compact.py)
+  rem      compact only: int16, the fp32 master's low bits; master + rem is the fp32
+           master exactly (atom/optim/remainder.py)
   grad     owned + aliases: gradients land here (accumulated over micro-batches); fp32,
            bf16 when compact
   compute  compute dtype, owned + aliases: the only thing that crosses the bus; pinned on
@@ -12,7 +13,7 @@ Per unit:
            a half-updated buffer
   lock     held while master is written (optimizer step, loading, peer averaging)
 
-With a disk tier (swap.disk_dir, atom/swap/disk_tier.py) master and comp are placeholders
+With a disk tier (swap.disk_dir, atom/swap/disk_tier.py) master and rem are placeholders
 that point into a RAM slot only while the unit is paged in (`paged`), and compute is always
 its own buffer: what stays in RAM is compute and grad.
 """
@@ -28,6 +29,7 @@ import torch
 from atom.config import ModelConfig
 from atom.engine_protocol import SharedUnit
 from atom.model import init_parameter
+from atom.optim.remainder import join, split_into
 from atom.swap.backend import Backend
 from atom.swap.units import UnitSpec
 
@@ -47,7 +49,7 @@ class UnitBuffers:
     master: torch.Tensor
     grad: torch.Tensor
     compute: torch.Tensor
-    comp: torch.Tensor | None = None
+    rem: torch.Tensor | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -88,8 +90,8 @@ class HostStore:
             n = 0 if paged else spec.n_owned  # paged: placeholders until the tier points them
             master = on_bus if same else torch.empty(n, dtype=self.master_dtype)
             grad = torch.zeros(spec.n_total, dtype=self.master_dtype)
-            comp = torch.zeros(n, dtype=torch.bfloat16) if self.compact else None
-            buf = UnitBuffers(spec, master, grad, on_bus, comp)
+            rem = torch.zeros(n, dtype=torch.int16) if self.compact else None
+            buf = UnitBuffers(spec, master, grad, on_bus, rem)
             buf.ready.set()
             self.buffers.append(buf)
 
@@ -122,19 +124,20 @@ class HostStore:
     # Master as fp32 values, whatever the layout. Callers that race the optimizer or a
     # peer merge hold the unit's lock.
     def read_master(self, index: int) -> torch.Tensor:
-        """A copy of the unit's weights in fp32 (master + comp when compact)."""
+        """A copy of the unit's weights in fp32 (master joined with rem when compact)."""
         buf = self.buffers[index]
         if not self.compact:
             return buf.master.clone()
-        return buf.master.float().add_(buf.comp)
+        return join(buf.master, buf.rem)
 
     def write_master(self, index: int, values: torch.Tensor) -> None:
-        """Set the unit's weights from fp32 values (compact: the nearest bf16, and what
-        that rounding dropped kept in comp, so read_master gives `values` back)."""
+        """Set the unit's weights from fp32 values (compact: split into the nearest bf16
+        and its remainder, so read_master gives `values` back bit for bit)."""
         buf = self.buffers[index]
-        buf.master.copy_(values)
         if self.compact:
-            buf.comp.copy_(values - buf.master.float())
+            split_into(values.float().contiguous(), buf.master, buf.rem)
+        else:
+            buf.master.copy_(values)
 
     def load_master(self, index: int, get) -> None:
         """Set the unit's weights from `get(name)` (a checkpoint's fp32 tensors), one
@@ -218,8 +221,8 @@ class HostStore:
         total = 0
         for buf in self.buffers:
             total += buf.master.nbytes + buf.grad.nbytes
-            if buf.comp is not None:
-                total += buf.comp.nbytes
+            if buf.rem is not None:
+                total += buf.rem.nbytes
             if not buf.compute_is_master:
                 total += buf.compute.nbytes
         return total

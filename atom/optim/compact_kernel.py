@@ -1,15 +1,14 @@
 """The compact update of one whole chunk as two compiled loops (`swap.compile_update`).
 
 CompactAdamW's eager update makes ~45 passes of torch ops over each chunk (decode two
-moments, AdamW, Kahan, encode two moments), each one a trip through memory. Written as
+moments, AdamW, the remainder split, encode two moments), each one a trip through memory. Written as
 two expressions (the moments and the master; the moments' encoding) and compiled by
 torch.compile (Inductor's C++ code generation), the same arithmetic is a few vectorised
 loops: `python -m tools.bench_host_update` measures both.
 
 What it is not: bit-equal to the eager update. An fp32 value summed in another order can
-round to the neighbouring float8 code of a moment, or put one bf16 ulp of the weight in
-the Kahan compensation instead of the master (master + compensation, the value Kahan
-tracks, agrees). A run uses one path throughout, so a resume is exact either way.
+round to the neighbouring float8 code of a moment, or to the neighbouring fp32 master.
+A run uses one path throughout, so a resume is exact either way.
 
 Only whole chunks of CHUNK elements, decayed all or none, come here: one shape, so one
 compile of each half per process (Inductor caches them on disk for the next). A unit's
@@ -26,7 +25,8 @@ import time
 
 import torch
 
-from atom.optim import ADAM_EPS
+from atom.optim.remainder import join, split
+from atom.optim.state import ADAM_EPS
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,11 @@ F8_MAX = 448.0
 TINY = 1e-30  # the scale of an all-zero block (its codes are zero whatever the scale)
 
 
-def moments_and_master(grad, master, comp, m_codes, m_scales, s_codes, s_scales,
+def moments_and_master(grad, master, rem, m_codes, m_scales, s_codes, s_scales,
                        coef, lr_bc1, rbc2, lr_wd, b1: float, b2: float,
                        m_out, s_out) -> None:  # fmt: skip
     """CompactAdamW.step's arithmetic on one chunk, in place, but the moments' encoding:
-    decode the moments, AdamW (torch's formula), the Kahan-compensated bf16 master; the
+    decode the moments, AdamW (torch's formula) on the exact fp32 master (bf16 + remainder); the
     new moments go to fp32 `m_out`, `s_out` for `encode_moments`. The per-step numbers are
     0-d tensors (a Python float is a constant to the compiler: a new value every step
     would compile again every step); b1, b2 are the run's constants."""
@@ -52,11 +52,10 @@ def moments_and_master(grad, master, comp, m_codes, m_scales, s_codes, s_scales,
     s = torch.sqrt(s * s * b2 + g * g * (1 - b2))
     m_out.copy_(m)
     s_out.copy_(s)
-    p0 = master.float()
-    upd = -lr_bc1 * m / (s * rbc2 + ADAM_EPS) - lr_wd * p0 + comp.float()
-    new = (p0 + upd).to(torch.bfloat16)
-    comp.copy_((upd - (new.float() - p0)).to(torch.bfloat16))
-    master.copy_(new)
+    p0 = join(master, rem)
+    new_hi, new_rem = split(p0 + (-lr_bc1 * m / (s * rbc2 + ADAM_EPS) - lr_wd * p0))
+    rem.copy_(new_rem)
+    master.copy_(new_hi)
 
 
 def encode_moments(m, s, m_codes, m_scales, s_codes, s_scales) -> None:
@@ -86,7 +85,7 @@ class CompiledChunkUpdate:
         self._update = self._encode = None
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self, grad, master, comp, m_codes, m_scales, s_codes, s_scales,
+    def __call__(self, grad, master, rem, m_codes, m_scales, s_codes, s_scales,
                  scalars: tuple[torch.Tensor, ...]) -> bool:  # fmt: skip
         if not self.available:
             return False
@@ -94,7 +93,7 @@ class CompiledChunkUpdate:
             self._scratch = (torch.empty(grad.numel()), torch.empty(grad.numel()))
         m, s = self._scratch
         codes = (m_codes, m_scales, s_codes, s_scales)
-        args = (grad, master, comp, *codes, *scalars, self.b1, self.b2, m, s)
+        args = (grad, master, rem, *codes, *scalars, self.b1, self.b2, m, s)
         if self.compile_s is not None:
             self._update(*args)
             self._encode(m, s, *codes)

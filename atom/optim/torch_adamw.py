@@ -1,4 +1,4 @@
-"""Host-side optimizer and learning-rate schedule.
+"""Host AdamW for one unit: torch's fused AdamW (or DeepSpeedCPUAdam) over its flat fp32 master.
 
 The swap engine keeps one optimizer per unit over that unit's flat master buffer
 (two groups: matrices decayed, vectors not), so a unit can be updated the moment its
@@ -9,39 +9,13 @@ which keeps the two numerically the same.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
 
 import torch
 
 from atom.config import TrainConfig
+from atom.optim.state import ADAM_EPS, STATE_KEYS, Region
 
 log = logging.getLogger(__name__)
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
-ADAM_EPS = 1e-8
-
-
-@dataclass
-class Region:
-    """One contiguous run of a unit's cold state as its optimizer lays it out for the
-    NVMe tier (atom/swap/disk_tier.py): `numel` elements of `dtype`, and the tensor
-    objects that view it (each at an element offset, with a shape)."""
-
-    dtype: torch.dtype
-    numel: int
-    views: list[tuple[torch.Tensor, int, tuple[int, ...]]] = field(default_factory=list)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr over lr_decay_steps (nanoGPT's schedule)."""
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    if step >= decay_steps:
-        return cfg.min_lr
-    ratio = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
 
 
 def make_optimizer(
@@ -117,7 +91,7 @@ def init_state(opt: torch.optim.Optimizer, param: torch.Tensor, step: int) -> di
 class TorchUnitOptimizer:
     """One unit's torch AdamW (or DeepSpeedCPUAdam) over its flat fp32 master and gradient:
     the decayed parameters first, then the rest, as two groups. The swap engine sees this
-    and atom.compact_adamw.CompactAdamW through the same members.
+    and atom.optim.compact.CompactAdamW through the same members.
 
     paged: master is a placeholder the disk tier points into a RAM slot around each update
     (atom/swap/disk_tier.py); the moments are placeholders too, created up front so that

@@ -1,10 +1,11 @@
-"""Compact host state for one unit: bf16 master weights with Kahan compensation and
-AdamW moments in 8 bits with a scale per block of 256 (`swap.state: compact`).
+"""Compact state for one unit: the fp32 master as its bf16 weight plus a 16-bit remainder
+(exact) and AdamW moments in 8 bits with a scale per block of 256 (`swap.state: compact`).
 
 Bytes per parameter in host RAM (fp32 state is 16, plus the bf16 copy for the bus):
 
-    master   bf16    2   (on a bf16 device it *is* the copy that crosses the bus)
-    comp     bf16    2   Kahan compensation: what bf16 rounding dropped from master
+    master   bf16    2   the fp32 master's upper half, rounded: on a bf16 device it *is*
+                         the copy that crosses the bus
+    rem      int16   2   the rest of the fp32 master's bits (atom/optim/remainder.py)
     grad     bf16    2
     m, sqrt(v)  fp8  1+1 (+ one fp32 scale per 256: 0.03)
                     ---
@@ -12,10 +13,10 @@ Bytes per parameter in host RAM (fp32 state is 16, plus the bf16 copy for the bu
 
 Why these choices:
 - bf16 master alone loses updates smaller than half a bf16 ulp (lr * update / |w| under
-  2^-9 is common late in training). Kahan-compensated summation keeps them in `comp`, so
-  master + comp tracks the fp32 trajectory; it is deterministic (resume is exact and needs
-  no RNG state) and, measured here, costs less host time than stochastic rounding (torch's
-  CPU random generator is single-threaded).
+  2^-9 is common late in training). bf16 + remainder is the fp32 master bit for bit, so
+  the update is fp32 AdamW on it (TransformerEngine's `store_param_remainders`); it
+  replaced a bf16 Kahan compensation of the same 2 bytes, which tracked fp32 only to the
+  compensation's own rounding. Deterministic: resume is exact and needs no RNG state.
 - Moments as float8 e4m3 with an absmax scale per block of 256 (torchao's AdamWFp8
   recipe; bitsandbytes' 8-bit Adam is the same idea with a table-driven code): each block
   keeps its own range, so a few large gradients do not flush a block of small ones. The
@@ -29,8 +30,9 @@ Why these choices:
 - Temporaries are fp32 chunks of CHUNK elements, so a unit of any size is updated with a
   few MiB of scratch, in passes that stay in cache.
 
-Checkpoints hold the same fp32 tensors as the fp32 state (master + comp, m, v), so a run
-resumes across `swap.state` settings.
+Checkpoints hold the same fp32 tensors as the fp32 state (master, m, v), so a run resumes
+across `swap.state` settings (a checkpoint of the earlier bf16 + Kahan format held master
++ compensation in fp32 too, and loads the same way).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ import math
 
 import torch
 
-from atom.compact_kernel import BLOCK, F8, F8_MAX, TINY, CompiledChunkUpdate
 from atom.config import TrainConfig
-from atom.optim import ADAM_EPS, Region
+from atom.optim.compact_kernel import BLOCK, F8, F8_MAX, TINY, CompiledChunkUpdate
+from atom.optim.remainder import join_into, split_into
+from atom.optim.state import ADAM_EPS, Region
 
 CHUNK = 1 << 20  # elements per pass; a multiple of BLOCK
 
@@ -107,16 +110,16 @@ def decode(
 class CompactAdamW:
     """AdamW (torch's formula, decoupled weight decay) over one unit's compact state.
 
-    `master`, `comp` and `grad` are the unit's bf16 host buffers (`n` owned parameters,
-    the first `n_decay` of them decayed); the moments live here. `step` reads the gradient,
-    applies `coef` (the clip coefficient), and writes master/comp and the moments in place.
-    paged: master, comp and the moments are placeholders that the disk tier points into a
-    RAM slot around each update (`regions` lays them out)."""
+    `master` (bf16), `rem` (int16) and `grad` (bf16) are the unit's host buffers (`n`
+    owned parameters, the first `n_decay` of them decayed); the moments live here. `step`
+    reads the gradient, applies `coef` (the clip coefficient), and writes master/rem and
+    the moments in place. paged: master, rem and the moments are placeholders that the
+    disk tier points into a RAM slot around each update (`regions` lays them out)."""
 
     def __init__(
         self,
         master: torch.Tensor,
-        comp: torch.Tensor,
+        rem: torch.Tensor,
         grad: torch.Tensor,
         n: int,
         n_decay: int,
@@ -125,7 +128,7 @@ class CompactAdamW:
         paged: bool = False,
         compiled: CompiledChunkUpdate | None = None,
     ):
-        self.master, self.comp, self.grad = master, comp, grad
+        self.master, self.rem, self.grad = master, rem, grad
         self.n = n
         self.n_decay = n_decay
         self.cfg = cfg
@@ -141,11 +144,11 @@ class CompactAdamW:
         self.compiled = compiled  # whole chunks, where it compiles (atom/compact_kernel.py)
 
     def regions(self) -> list:
-        """The unit's cold state for the disk tier: master, comp, codes and scales."""
+        """The unit's cold state for the disk tier: master, rem, codes and scales."""
         n, p = self.n, padded(self.n)
         return [
             Region(torch.bfloat16, n, [(self.master, 0, (n,))]),
-            Region(torch.bfloat16, n, [(self.comp, 0, (n,))]),
+            Region(torch.int16, n, [(self.rem, 0, (n,))]),
             Region(torch.uint8, p, [(self.m_codes, 0, (p,))]),
             Region(torch.uint8, p, [(self.s_codes, 0, (p,))]),
             Region(torch.float32, p // BLOCK, [(self.m_scales, 0, (p // BLOCK,))]),
@@ -177,7 +180,7 @@ class CompactAdamW:
             if fused is not None and n == CHUNK and decayed in (0, n):
                 scalars = (*fused[:3], fused[3] if decayed else fused[4])
                 if self.compiled(
-                    self.grad[start:end], self.master[start:end], self.comp[start:end],
+                    self.grad[start:end], self.master[start:end], self.rem[start:end],
                     self.m_codes[start:end], self.m_scales[blocks],
                     self.s_codes[start:end], self.s_scales[blocks], scalars,
                 ):  # fmt: skip
@@ -194,15 +197,11 @@ class CompactAdamW:
             # the update, as torch's AdamW: -lr*wd*p - lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
             torch.mul(s, rbc2, out=work).add_(ADAM_EPS)
             torch.div(m, work, out=work).mul_(-lr / bc1)
-            p0[:n].copy_(self.master[start:end])
+            p0 = join_into(self.master[start:end], self.rem[start:end], p0[:n])  # exact fp32
             if decayed and cfg.weight_decay:
                 work[:decayed].add_(p0[:decayed], alpha=-lr * cfg.weight_decay)
-            # Kahan: add what earlier roundings dropped, round to bf16, keep what this drops
-            work[:n].add_(self.comp[start:end])
-            torch.add(p0[:n], work[:n], out=g[:n])
-            self.master[start:end].copy_(g[:n])  # rounds to nearest bf16
-            g[:n].copy_(self.master[start:end]).sub_(p0[:n])  # what was actually added
-            self.comp[start:end].copy_(work[:n].sub_(g[:n]))
+            p0.add_(work[:n])
+            split_into(p0, self.master[start:end], self.rem[start:end], tmp[:n])
             encode(m, self.m_codes[start : start + span], self.m_scales[blocks], tmp)
             encode(s, self.s_codes[start : start + span], self.s_scales[blocks], tmp)
 
