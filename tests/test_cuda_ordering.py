@@ -136,14 +136,33 @@ def test_compute_that_does_not_wait_for_the_copy_is_caught(monkeypatch):
 
 
 def test_a_gradient_copied_out_before_it_is_written_is_caught(monkeypatch):
-    """d2h with no compute marker: the copy stream reads a gradient the compute stream
-    may not have finished writing."""
-    real_d2h = CudaBackend.d2h
-    monkeypatch.setattr(
-        CudaBackend,
-        "d2h",
-        lambda self, src, after, abort=None, dtype=None: real_d2h(self, src, None, abort, dtype),
-    )
+    """The D2H stream waits for no compute marker: the copy stream reads a gradient the
+    compute stream may not have finished writing."""
     backend, sim = cuda_backend(monkeypatch, 1 << 16)
+    monkeypatch.setattr(backend.d2h_stream, "wait_event", lambda event: None)
     _train(_config({}), backend, sim, steps=1)
     assert any("reads" in v for v in sim.violations), sim.violations[:3]
+
+
+@pytest.mark.parametrize("as_list", [False, True], ids=["tensor", "list"])
+def test_a_non_contiguous_gradient_is_copied_out_after_it_is_flattened(monkeypatch, as_list):
+    """d2h flattens a non-contiguous gradient with a copy on the compute stream: the D2H
+    stream must wait for that copy, not only for a marker the caller recorded before it
+    (as the engine's `_post_grads` does: `d2h(grad, backend.record())`)."""
+    backend, sim = cuda_backend(monkeypatch, 0, watch_host=False)
+    backend.size_staging(256, torch.float32)
+    try:
+        with sim.watch():
+            grad = torch.arange(96.0).reshape(12, 8) * 2  # written by the compute stream
+            src = grad.t()  # (8, 12), not contiguous: reshape(-1) copies
+            t = backend.d2h([src, grad] if as_list else src, backend.record())
+        landed = []
+        with sim.host_watch():
+            for _offset, host in backend.host_pieces(t):
+                landed.append(host.clone())
+        backend.release_host(t)
+        want = torch.cat([src.reshape(-1), grad.reshape(-1)] if as_list else [src.reshape(-1)])
+        assert torch.equal(torch.cat(landed), want)
+        assert sim.violations == []
+    finally:
+        backend.close()

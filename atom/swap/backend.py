@@ -144,16 +144,18 @@ class Backend:
     def d2h(
         self,
         src: torch.Tensor | list[torch.Tensor],
-        after: object | None,
+        after: object | None = None,
         abort: Callable[[], None] | None = None,
         dtype: torch.dtype | None = None,
     ) -> Transfer:
         """Copy device `src` (one flat tensor, or a list of tensors laid out back to back)
-        to host; `host_pieces` hands the data over. The caller hands the transfer back
-        with `release_host` once consumed (once: a second release is ignored). `abort` is
-        called while waiting for a free host buffer and raises to give up (the consumer
-        of those buffers has failed). `dtype`: cross in this dtype, converted on the
-        device (a backend without a bus may hand over `src` as it is)."""
+        to host; `host_pieces` hands the data over. The copy waits for the compute issued
+        before this call and for what d2h itself issues there (flattening a
+        non-contiguous tensor); `after`: a marker it must also wait for. The caller hands
+        the transfer back with `release_host` once consumed (once: a second release is
+        ignored). `abort` is called while waiting for a free host buffer and raises to
+        give up (the consumer of those buffers has failed). `dtype`: cross in this dtype,
+        converted on the device (a backend without a bus may hand over `src` as it is)."""
         raise NotImplementedError
 
     def host_pieces(self, t: Transfer) -> Iterator[tuple[int, torch.Tensor | list[torch.Tensor]]]:
@@ -233,8 +235,9 @@ class CpuBackend(Backend):
             return t
         return self._copier.submit(job, t)
 
-    def d2h(self, src, after, abort=None, dtype=None) -> Transfer:
-        # The gradient already lives in host memory: hand the tensor(s) over, no copy.
+    def d2h(self, src, after=None, abort=None, dtype=None) -> Transfer:
+        # The gradient already lives in host memory: hand the tensor(s) over, no copy (and
+        # nothing to order: the compute that wrote it has returned).
         return done_transfer(src)
 
     def wait_compute(self, t: Transfer) -> None:
@@ -387,8 +390,11 @@ class CudaBackend(Backend):
 
         return self._copier.submit(job, t)
 
-    def d2h(self, src, after, abort=None, dtype=None) -> Transfer:
+    def d2h(self, src, after=None, abort=None, dtype=None) -> Transfer:
+        # a non-contiguous tensor is copied here, on the compute stream: the marker the
+        # copy stream waits for is recorded after that copy, not before it
         srcs = [t.reshape(-1) for t in ([src] if isinstance(src, torch.Tensor) else src)]
+        written = self.record()
         numel = sum(t.numel() for t in srcs)
         dtype = dtype or srcs[0].dtype
         item = torch.empty(0, dtype=dtype).element_size()
@@ -404,9 +410,9 @@ class CudaBackend(Backend):
             )
         t = Transfer()
         try:
-            with torch.cuda.stream(self.d2h_stream):
-                if after is not None:
-                    self.d2h_stream.wait_event(after)
+            for marker in (after, written):
+                if marker is not None:
+                    self.d2h_stream.wait_event(marker)
             start, which, within = 0, 0, 0  # next element; the source and place in it
             while start < numel:
                 buf = self._free_staging(abort)  # the landing hands chunks back as it goes
