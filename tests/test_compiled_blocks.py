@@ -170,6 +170,44 @@ def test_compiled_blocks_train_as_the_eager_ones(arch, checkpoint):
     assert _train(resident, cfg) == pytest.approx(expected, rel=1e-4)
 
 
+def _compiles(cfg) -> bool:
+    engine = _swap(cfg)
+    engine.close()
+    return engine.blocks_compiled
+
+
+def test_blocks_past_dynamos_recompile_limit_are_not_called_compiled(caplog):
+    """Dynamo keeps a function's graphs per process, and past its recompile limit runs it
+    eagerly without an error (a sweep building engine after engine at other shapes):
+    such blocks are not called compiled, and the warning says why; an engine whose
+    calls a graph already compiled serves is compiled."""
+    shape = {"arch": "gpt", "n_layer": 2, "d_model": 32, "n_head": 2, "seq_len": 16}
+    first, other = (tiny_config(model=shape, train={"compile_blocks": "on", "micro_batch": b})
+                    for b in (2, 3))  # fmt: skip
+    torch._dynamo.reset()
+    try:
+        # room for one engine's two graphs (the no-grad forward, the one with a backward)
+        limit = torch._dynamo.config.patch(recompile_limit=2)
+        with limit, caplog.at_level(logging.WARNING, logger="atom.model.compiled_blocks"):
+            compiled = [_compiles(cfg) for cfg in (first, other, first)]
+    finally:
+        torch._dynamo.reset()  # no later test meets this code past its limit
+    assert compiled == [True, False, True]
+    ours = [r for r in caplog.records if r.name == "atom.model.compiled_blocks"]
+    (warning,) = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
+    assert "recompile limit" in warning and "running them eagerly" in warning
+
+
+def test_a_dynamo_that_runs_the_blocks_eagerly_is_not_called_compiled(caplog):
+    """torch.compile's function runs, without an error, the forward as it is (Dynamo
+    disabled): no compiled graph serves the blocks, so they are not called compiled."""
+    cfg = tiny_config(model={"n_layer": 2}, train={"compile_blocks": "on"})
+    disabled = torch._dynamo.config.patch(disable=True)
+    with disabled, caplog.at_level(logging.WARNING, logger="atom.model.compiled_blocks"):
+        assert not _compiles(cfg)
+    assert "eagerly (0 graphs compiled)" in caplog.text
+
+
 def test_running_out_of_device_memory_in_the_trial_is_not_called_a_compile_failure(
     monkeypatch,
 ):

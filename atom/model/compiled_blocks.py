@@ -19,10 +19,18 @@ Inductor compiles then); neither may surface in the middle of a step. So `compil
 first runs one block, on a tensor of the step's shape, through a no-grad forward and a
 forward and backward: if that fails (no C++ compiler or Triton, a torch without Inductor,
 an op it cannot lower), one warning names the cause and the blocks run eagerly.
+
+A trial without an error is not yet a compiled block: Dynamo keeps the graphs of a function
+per code object, shared by every engine in the process, and past its recompile limit
+(`torch._dynamo.config.recompile_limit` graphs, reached by a sweep that builds engine
+after engine at other shapes) it runs the function eagerly, silently. So each trial call
+counts the compiled graphs that accept it: none, and the blocks run eagerly, with the
+warning above.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -46,24 +54,31 @@ def hidden_state(cfg, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(cfg.train.micro_batch, m.seq_len, m.d_model, device=device).to(dtype)
 
 
+class RanEagerly(RuntimeError):
+    """torch.compile ran the block without an error, but no compiled graph served it."""
+
+
 def _trial(
     block: nn.Module,
     example: torch.Tensor,
     params: Sequence[torch.Tensor],
     context: Callable[[], AbstractContextManager],
     bound: bool,
+    compiled: Callable,
 ) -> None:
     """The compiled block's forward without and with a graph, and its backward. An eager
     forward first fills the model's caches (RoPE tables, window masks): compiled before
     them, each graph would guard on their absence and compile again at its next call.
     `bound`: the parameters are stand-ins for a slot's tensors, which the swap engine's
     no-grad passes bind as plain views (not leaves): so do they here, or that pass would
-    compile again in the first step, where a failure could no longer fall back."""
+    compile again in the first step, where a failure could no longer fall back. Each
+    compiled call must be served by a compiled graph (`_served`), else RanEagerly."""
     for p in params if bound else ():
         p.requires_grad_(False)
     with torch.no_grad(), context():
         type(block).forward(block, example)
         block(example)
+        _served(compiled, block, example)
     for p in params if bound else ():
         p.requires_grad_(True)
     x = example.detach().requires_grad_()
@@ -72,7 +87,42 @@ def _trial(
     packed = torch.autograd.graph.saved_tensors_hooks(lambda t: (t,), lambda box: box[0])
     with context(), packed:
         out = block(x)
+        _served(compiled, block, x)
     torch.autograd.grad(out.float().square().mean(), [x, *params])
+
+
+def _served(compiled: Callable, block: nn.Module, x: torch.Tensor) -> None:
+    """Raise RanEagerly unless one of Dynamo's compiled graphs of the block's forward
+    accepts the call compiled(block, x) as things stand now (shapes, grad mode, autocast:
+    call it where that call ran). A function that is not torch.compile's (a test's
+    stand-in), or a torch whose Dynamo keeps its graphs out of reach, is not checked."""
+    fn = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if fn is None:
+        if compiled is type(block).forward:  # torch.compile handed back the function
+            raise RanEagerly("torch.compile returned the forward as it is: Dynamo is disabled")
+        return
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        call = inspect.signature(fn).bind(block, x)
+        call.apply_defaults()
+        graphs = _debug_get_cache_entry_list(fn.__code__)
+        accepted = sum(bool(g.guard_manager.check(dict(call.arguments))) for g in graphs)
+    except Exception as err:  # Dynamo's internals, in another torch: the count is unknown
+        log.debug("cannot count the compiled graphs of the blocks (%s): not checked", err)
+        return
+    if accepted:
+        return
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    if limit is None:  # its older name
+        limit = getattr(torch._dynamo.config, "cache_size_limit", 0)
+    if limit and len(graphs) >= limit:
+        raise RanEagerly(
+            f"Dynamo's recompile limit: {len(graphs)} graphs of {fn.__qualname__} are "
+            f"compiled in this process already (torch._dynamo.config.recompile_limit "
+            f"{limit}) and none takes this call"
+        )
+    raise RanEagerly(f"Dynamo ran {fn.__qualname__} eagerly ({len(graphs)} graphs compiled)")
 
 
 def compile_blocks(
@@ -101,7 +151,7 @@ def compile_blocks(
         params = [p for p in first.parameters() if p.requires_grad]
         unbind = lambda: None  # noqa: E731
     try:
-        _trial(first, example, params, context, bound=bind is not None)
+        _trial(first, example, params, context, bind is not None, compiled)
     except torch.cuda.OutOfMemoryError:
         uncompile(first)  # one block at this micro-batch does not fit: not the compiler's
         raise
