@@ -3,13 +3,26 @@ model section names a Hugging Face checkpoint (`model: hf:PATH`, `--model PATH`,
 with init_from), that checkpoint's config.json filling the model section and checked.
 
 Above both atom.config (the ground floor, which knows nothing of Hugging Face) and atom.hf.
+And what a run's config asks of the host: its RAM for model state, refused up front when
+it does not fit (the profiler's account, plus the peers' outer optimizer).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from atom.config import Config, apply_overrides, names_hf_model, read_config_file
+from atom.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    names_hf_model,
+    read_config_file,
+    replace,
+)
+
+if TYPE_CHECKING:
+    import torch  # the CLI imports this module at start: torch only once a command needs it
 
 
 def load_run_config(
@@ -96,3 +109,70 @@ def resume_changes(saved: dict, cfg: Config) -> list[str]:
             else:
                 changes.append(f"{name}: {old!r} -> {value!r}")
     return changes
+
+
+def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters, host bytes for model state): the profiler's account, so that the
+    refusal here and `atom profile`'s host-RAM column never disagree, plus, training with
+    peers under an outer optimizer, its outer weights and momentum (fp32, 8 bytes a
+    parameter; `atom profile` plans one machine and leaves them out)."""
+    from atom.profiler.analysis import ModelAnalysis
+
+    a = ModelAnalysis.of(cfg)
+    disk = cfg.swap.disk_dir is not None
+    need = a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
+    return a.n_params, need + outer_state_bytes(cfg, a.n_params)
+
+
+def outer_state_bytes(cfg: Config, n_params: int) -> int:
+    """Host RAM the gossip keeps beside the model: the outer optimizer's weights and
+    momentum (atom/gossip/merge.py DiLoCoMerge), and with codec topk one reference per
+    partner (atom/gossip/pairref.py; noloco's payload is twice the weights)."""
+    from atom.gossip.merge import OUTER_DEFAULTS
+
+    if not cfg.gossip.enabled:
+        return 0
+    g = cfg.gossip
+    outer = 8 * n_params if g.strategy in OUTER_DEFAULTS else 0
+    per_ref = 4 * n_params * (2 if g.strategy == "noloco" else 1)
+    return outer + (g.topk_partners * per_ref if g.codec == "topk" else 0)
+
+
+def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
+    """Refuse up front, with the numbers, a run whose host buffers cannot fit in RAM."""
+    import psutil
+
+    n_params, need = host_bytes_needed(cfg, dtype)
+    available = psutil.virtual_memory().available
+    outer_bytes = outer_state_bytes(cfg, n_params)
+    outer = (
+        f" (of which {outer_bytes / 2**30:.1f} GiB the gossip's, gossip.strategy "
+        f"{cfg.gossip.strategy}, codec {cfg.gossip.codec}; plain averaging, gossip.strategy"
+        f" gossip, with codec int8 needs none)"
+        if outer_bytes
+        else ""
+    )
+    if need > available:
+        fix = "choose a smaller model or add RAM"
+        for sets, what in (
+            ({"state": "compact"}, "bf16 weights, 8-bit optimizer state"),
+            ({"disk_dir": "DIR"}, "weights and optimizer state on a fast disk"),
+            ({"state": "compact", "disk_dir": "DIR"}, "both"),
+        ):
+            if all(getattr(cfg.swap, k) == v for k, v in sets.items()):
+                continue
+            try:
+                leaner = host_bytes_needed(replace(cfg, swap=sets), dtype)[1]
+            except ConfigError:  # that setting is not allowed with this config anyway
+                continue
+            if leaner < need and leaner <= available:
+                flags = " ".join(f"--set swap.{k}={v}" for k, v in sets.items())
+                fix = f"{flags} needs {leaner / 2**30:.1f} GiB ({what}), or add RAM"
+                break
+        raise ConfigError(
+            f"this model ({n_params / 1e9:.2f}B parameters, swap.state={cfg.swap.state}"
+            f"{', NVMe tier' if cfg.swap.disk_dir else ''}) needs "
+            f"{need / 2**30:.1f} GiB of host RAM for weights, gradients and optimizer state"
+            f"{outer}, but only {available / 2**30:.1f} GiB is available; {fix}"
+        )
+    return need

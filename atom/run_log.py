@@ -37,6 +37,7 @@ class RunLog:
                         dynamic_ncols=True, file=sys.stderr)  # fmt: skip
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._pending: list[bytes] = []  # records the disk had no space for yet
+        self.told = start  # the newest step whose record is in (or bound for) the file
 
     def _write(self) -> None:
         """Append the pending records whole, or (disk full) none of them."""
@@ -63,6 +64,7 @@ class RunLog:
     def step(self, record: dict, postfix: dict) -> None:
         """One finished step's record: to the file, the loggers and the terminal."""
         self._pending.append((json.dumps(record) + "\n").encode())
+        self.told = record["step"]
         self._write()
         for logger in self.loggers:
             logger.log(record)
@@ -103,6 +105,7 @@ class RunLog:
             self._write()
         os.close(self._fd)
         trim_metrics(self.path, step)
+        self.told = step
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.bar.n = step
         self.bar.refresh()

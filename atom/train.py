@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from atom.config import Config, ConfigError, model_differences, replace
+from atom.config import Config, ConfigError, model_differences
 from atom.data import TokenData, check_vocab, default_corpus
 from atom.device import resolve_device
 from atom.engine_protocol import Engine
 from atom.errors import TrainingError
 from atom.guard import LossWatch, check_weights
 from atom.model.documents import IGNORE
+from atom.run_config import check_host_memory, host_bytes_needed  # noqa: F401 (atom.train's API)
 from atom.run_dir import continue_from
 from atom.run_log import RunLog
 from atom.signals import Interrupts
@@ -45,73 +46,6 @@ if TYPE_CHECKING:
 
 def _strerror(err: BaseException) -> str:
     return getattr(err, "strerror", None) or str(err).split(";")[0]
-
-
-def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
-    """(parameters, host bytes for model state): the profiler's account, so that the
-    refusal here and `atom profile`'s host-RAM column never disagree, plus, training with
-    peers under an outer optimizer, its outer weights and momentum (fp32, 8 bytes a
-    parameter; `atom profile` plans one machine and leaves them out)."""
-    from atom.profiler.analysis import ModelAnalysis
-
-    a = ModelAnalysis.of(cfg)
-    disk = cfg.swap.disk_dir is not None
-    need = a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
-    return a.n_params, need + outer_state_bytes(cfg, a.n_params)
-
-
-def outer_state_bytes(cfg: Config, n_params: int) -> int:
-    """Host RAM the gossip keeps beside the model: the outer optimizer's weights and
-    momentum (atom/gossip/merge.py DiLoCoMerge), and with codec topk one reference per
-    partner (atom/gossip/pairref.py; noloco's payload is twice the weights)."""
-    from atom.gossip.merge import OUTER_DEFAULTS
-
-    if not cfg.gossip.enabled:
-        return 0
-    g = cfg.gossip
-    outer = 8 * n_params if g.strategy in OUTER_DEFAULTS else 0
-    per_ref = 4 * n_params * (2 if g.strategy == "noloco" else 1)
-    return outer + (g.topk_partners * per_ref if g.codec == "topk" else 0)
-
-
-def check_host_memory(cfg: Config, dtype: torch.dtype) -> int:
-    """Refuse up front, with the numbers, a run whose host buffers cannot fit in RAM."""
-    import psutil
-
-    n_params, need = host_bytes_needed(cfg, dtype)
-    available = psutil.virtual_memory().available
-    outer_bytes = outer_state_bytes(cfg, n_params)
-    outer = (
-        f" (of which {outer_bytes / 2**30:.1f} GiB the gossip's, gossip.strategy "
-        f"{cfg.gossip.strategy}, codec {cfg.gossip.codec}; plain averaging, gossip.strategy"
-        f" gossip, with codec int8 needs none)"
-        if outer_bytes
-        else ""
-    )
-    if need > available:
-        fix = "choose a smaller model or add RAM"
-        for sets, what in (
-            ({"state": "compact"}, "bf16 weights, 8-bit optimizer state"),
-            ({"disk_dir": "DIR"}, "weights and optimizer state on a fast disk"),
-            ({"state": "compact", "disk_dir": "DIR"}, "both"),
-        ):
-            if all(getattr(cfg.swap, k) == v for k, v in sets.items()):
-                continue
-            try:
-                leaner = host_bytes_needed(replace(cfg, swap=sets), dtype)[1]
-            except ConfigError:  # that setting is not allowed with this config anyway
-                continue
-            if leaner < need and leaner <= available:
-                flags = " ".join(f"--set swap.{k}={v}" for k, v in sets.items())
-                fix = f"{flags} needs {leaner / 2**30:.1f} GiB ({what}), or add RAM"
-                break
-        raise ConfigError(
-            f"this model ({n_params / 1e9:.2f}B parameters, swap.state={cfg.swap.state}"
-            f"{', NVMe tier' if cfg.swap.disk_dir else ''}) needs "
-            f"{need / 2**30:.1f} GiB of host RAM for weights, gradients and optimizer state"
-            f"{outer}, but only {available / 2**30:.1f} GiB is available; {fix}"
-        )
-    return need
 
 
 def build_engine(cfg: Config, resident: bool = False) -> Engine:
@@ -195,6 +129,7 @@ class Trainer:
         self._rollbacks = 0
         self._skipped_saves = 0  # in a row, for a full disk (_periodic_save)
         self._saved_step: int | None = None  # the step the newest save of this run holds
+        self._untold = None  # a counted step whose record is not yet told (train_step)
         self.gossip = None
         self.run_log: RunLog | None = None
         self.loggers: list = []
@@ -424,6 +359,8 @@ class Trainer:
                 self._loop(summary, end, interrupts, rates)
             except KeyboardInterrupt:
                 try:
+                    with interrupts.saving("writing the last step's record"):
+                        self._tell_cut_short(summary)
                     self.run_log.close_bar()
                     self._stop_gossip()  # goodbye first: no merge lands while it is written
                     if self._saved_step == summary.steps:  # stopped right after a save
@@ -478,26 +415,50 @@ class Trainer:
         batches = [self.data.train_batch(step, m, tc.micro_batch) for m in range(tc.grad_accum)]
         lr = lr_at(step, tc)
         result = self.engine.train_step(batches, lr, stop=interrupts.abandon_step)
+        done = step + 1
+        # The weights hold step `done` from here: it is counted at once (a Ctrl+C saves
+        # summary.steps), before anything a second press can cut short. Counted after
+        # evaluation and logging, as it was, a press in between saved this step's weights
+        # labelled done - 1 and --resume trained its batch again. No call before it: a
+        # pending signal's handler runs at a call, not between these assignments.
+        summary.steps, summary.last_loss, self._untold = done, result.loss, (done, result, lr)
+        if self.gossip is not None:
+            self.gossip.after_step(done)
         now = time.perf_counter()
         dt, self._t_prev = now - self._t_prev, now
         rates.append(tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len / dt)
-        losses.see(step + 1, result.loss, self._newest_checkpoint)  # atom/guard.py
-        done = step + 1
-        record = self._record(done, result, lr, rates[-1], dt)
+        record = self._untold = self._record(done, result, lr, rates[-1], dt)
+        losses.see(done, result.loss, self._newest_checkpoint)  # atom/guard.py
         if self.gossip is not None:
-            self.gossip.after_step(done)
             record["gossip"] = self.gossip.record()
         if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:
             record["val_loss"] = summary.val_loss = self.evaluate()
             self._t_prev = time.perf_counter()  # eval time is not step time
         self.run_log.step(record, self.gossip.postfix() if self.gossip is not None else {})
+        self._untold = None
         summary.history.append(record)
-        summary.steps, summary.last_loss = done, result.loss
         if tc.ckpt_interval and done % tc.ckpt_interval == 0:
             with interrupts.saving():
                 self._periodic_save(done, summary)  # may roll back
             self._t_prev = time.perf_counter()
         return done
+
+    def _tell_cut_short(self, summary: RunSummary) -> None:
+        """A step counted but not yet told when Ctrl+C stopped the run: its record goes to
+        metrics.jsonl and the loggers now (without what was cut short, e.g. its val loss),
+        so the file holds every step the interrupt's checkpoint holds, and a resume's
+        records continue it as an unbroken run's would."""
+        untold, self._untold = self._untold, None
+        if untold is None:
+            return
+        if isinstance(untold, tuple):  # cut before its record was made
+            done, result, lr = untold
+            dt = time.perf_counter() - self._t_prev
+            tokens = self.cfg.train.micro_batch * self.cfg.train.grad_accum
+            untold = self._record(done, result, lr, tokens * self.cfg.model.seq_len / dt, dt)
+        if self.run_log.told < untold["step"]:  # not if cut after the file had it
+            self.run_log.step(untold, {})
+            summary.history.append(untold)
 
     def _periodic_save(self, step: int, summary: RunSummary) -> None:
         """A checkpoint on the interval. A full disk skips it (the newest checkpoint on disk
@@ -546,7 +507,7 @@ class Trainer:
         step = self.start_step
         self.run_log.rewind(step)
         summary.history = [r for r in summary.history if r["step"] <= step]
-        summary.steps = step
+        summary.steps, self._untold = step, None
         if self.gossip is not None:
             self.gossip.after_step(step)
         return step

@@ -221,6 +221,110 @@ def test_a_second_ctrl_c_while_a_step_updates_lets_the_step_finish(tmp_path, tex
         assert torch.equal(full[name], cut[name]), name
 
 
+def _two_presses() -> None:
+    import os
+    import signal
+
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGINT)  # handled before kill returns
+
+
+def _step_cfg(text_dataset):
+    return tiny_config(
+        train={"max_steps": 6, "eval_interval": 3, "ckpt_interval": 0,
+               "data": str(text_dataset)},
+        model={"n_layer": 2},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory, text_dataset):
+    """An unbroken run's checkpoint at step 3, and its whole run to step 6."""
+    root = tmp_path_factory.mktemp("unbroken")
+    cfg = _step_cfg(text_dataset)
+    Trainer(cfg, root / "three", progress=False).run(max_steps=3)
+    Trainer(cfg, root / "whole", progress=False).run()
+    return root / "three", root / "whole"
+
+
+# after `engine.train_step` returns, what the loop calls before the step's record is whole
+AFTER_THE_STEP = ["perf_counter", "record", "guard", "evaluate", "log", "log_written"]
+
+
+@pytest.mark.parametrize("point", AFTER_THE_STEP)
+def test_a_second_ctrl_c_after_a_step_saves_it_under_its_own_label(
+    tmp_path, text_dataset, unbroken, monkeypatch, point
+):
+    """issue 42: the step's weights land at `engine.train_step`, but it was counted only
+    after evaluation and logging; two presses in between saved step 3's weights as
+    step_00000002 (optimizer_steps 3) and --resume trained step 3's batch again. At every
+    point after the step returns, the checkpoint is step 3's: label, weights and
+    optimizer_steps agree with an unbroken run's, and a resume ends where it does."""
+    import signal
+    import time as real_time
+    from types import SimpleNamespace
+
+    import atom.train
+    from atom.guard import LossWatch
+    from atom.run_log import RunLog
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (a background job ignores it)")
+    cfg = _step_cfg(text_dataset)
+    trainer = Trainer(cfg, tmp_path / "cut", progress=False)
+    engine, real_step, stepped, fired = trainer.engine, trainer.engine.train_step, [0], []
+
+    def train_step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        stepped[0] += 1
+        return result
+
+    def hooked(name, real):
+        def call(*args, **kwargs):
+            if point == name and stepped[0] == 3 and not fired:
+                fired.append(name)
+                _two_presses()
+            return real(*args, **kwargs)
+
+        return call
+
+    def written(*args, **kwargs):  # the record is in the file; loggers and bar are not
+        out = real_write(*args, **kwargs)
+        if point == "log_written" and stepped[0] == 3 and not fired:
+            fired.append(point)
+            _two_presses()
+        return out
+
+    engine.train_step = train_step
+    clock = SimpleNamespace(perf_counter=hooked("perf_counter", real_time.perf_counter),
+                            monotonic=real_time.monotonic, sleep=real_time.sleep)  # fmt: skip
+    monkeypatch.setattr(atom.train, "time", clock)
+    monkeypatch.setattr(Trainer, "_record", hooked("record", Trainer._record))
+    monkeypatch.setattr(LossWatch, "see", hooked("guard", LossWatch.see))
+    monkeypatch.setattr(Trainer, "evaluate", hooked("evaluate", Trainer.evaluate))
+    monkeypatch.setattr(RunLog, "step", hooked("log", RunLog.step))
+    real_write = RunLog._write
+    monkeypatch.setattr(RunLog, "_write", written)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert fired == [point]
+    saved = trainer.interrupt_checkpoint
+    three, whole = unbroken
+    assert saved is not None and saved.name == "step_00000003"
+    assert load_checkpoint(saved).meta["optimizer_steps"] == 3
+    want = final_params(three)
+    for name, value in final_params(saved).items():
+        assert torch.equal(value, want[name]), name
+    assert [json.loads(line)["step"] for line in
+            (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]  # fmt: skip
+    # the hooks have fired: they pass through from here
+    Trainer(cfg, tmp_path / "cut", resume=tmp_path / "cut", progress=False).run()
+    assert losses(tmp_path / "cut") == losses(whole)
+    want = final_params(whole)
+    for name, value in final_params(tmp_path / "cut").items():
+        assert torch.equal(value, want[name]), name
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ctrl_c_inside_a_long_step_is_honoured_within_seconds(tmp_path, text_dataset):

@@ -94,7 +94,8 @@ def cmd_train(args) -> int:
 
 
 def _train(args, cfg, plan, out: Path) -> int:
-    from atom.train import Trainer, host_bytes_needed
+    from atom.run_config import host_bytes_needed
+    from atom.train import Trainer
 
     trainer = Trainer(
         cfg,
