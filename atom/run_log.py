@@ -2,6 +2,10 @@
 config asks for (atom/loggers.py), and the terminal: a progress bar on a terminal, log
 lines otherwise, and the validation loss as it is measured.
 
+The terminal's tokens/s is tokens over wall-clock time across the last half minute of
+steps (RecentRate), evaluation and saves included: one step's own rate swings with every
+step's time, and an average of such rates overstated a run's throughput up to 6x.
+
 A full disk does not end a run here: records that cannot be written wait in memory (the
 file is cut back to its last whole line) and go out once there is space again, so the
 file keeps one record per step, whole.
@@ -15,6 +19,8 @@ import logging
 import math
 import os
 import sys
+import time
+from collections import deque
 from pathlib import Path
 
 from tqdm import tqdm
@@ -26,11 +32,45 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 MAX_PENDING = 100_000  # records held while the disk is full (a few hundred bytes each)
 
 
+class RecentRate:
+    """Tokens over wall-clock time across the steps of the last WINDOW_S seconds (at
+    least the last one): smoothed, and counting what happens between steps."""
+
+    WINDOW_S = 30.0
+
+    def __init__(self, tokens_per_step: int):
+        self.tokens_per_step = tokens_per_step
+        self.steps = 0
+        self.restart()
+
+    def restart(self) -> None:
+        """From now (a rollback: the steps before it are trained again)."""
+        self._marks = deque([(time.perf_counter(), self.steps)])  # (time, steps by then)
+
+    def step(self) -> float:
+        """A step ended now; the rate over the window up to it."""
+        now = time.perf_counter()
+        self.steps += 1
+        self._marks.append((now, self.steps))
+        while len(self._marks) > 2 and now - self._marks[1][0] >= self.WINDOW_S:
+            self._marks.popleft()
+        t0, n0 = self._marks[0]
+        return (self.steps - n0) * self.tokens_per_step / max(now - t0, 1e-9)
+
+
 class RunLog:
     def __init__(
-        self, out: Path, start: int, end: int, progress: bool, loggers: list, log_interval: int
+        self,
+        out: Path,
+        start: int,
+        end: int,
+        progress: bool,
+        loggers: list,
+        log_interval: int,
+        tokens_per_step: int,
     ):
         self.path = Path(out) / "metrics.jsonl"
+        self.rate = RecentRate(tokens_per_step)
         self.end, self.progress, self.loggers = end, progress, loggers
         self.log_interval = log_interval
         self.bar = tqdm(total=end, initial=start, disable=not progress, unit="step",
@@ -69,6 +109,7 @@ class RunLog:
         for logger in self.loggers:
             logger.log(record)
         done, loss = record["step"], record["loss"]
+        rate = self.rate.step()
         self.bar.update(1)
         if "val_loss" in record:  # said as measured, whatever the log cadence
             val = record["val_loss"]
@@ -83,12 +124,12 @@ class RunLog:
         if not self.progress and (done % self.log_interval == 0 or done == self.end):
             log.info(
                 "step %d/%d loss %.4f lr %.2e %.0f tokens/s device %s",
-                done, self.end, loss, record["lr"], record["tokens_per_s"],
+                done, self.end, loss, record["lr"], rate,
                 human(record["device_peak_bytes"]),
             )  # fmt: skip
         self.bar.set_postfix(
             loss=f"{loss:.4f}",
-            tok_s=f"{record['tokens_per_s']:,.0f}",
+            tok_s=f"{rate:,.0f}",
             dev=human(record["device_peak_bytes"]),
             **postfix,
             refresh=False,
@@ -106,6 +147,7 @@ class RunLog:
         os.close(self._fd)
         trim_metrics(self.path, step)
         self.told = step
+        self.rate.restart()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.bar.n = step
         self.bar.refresh()

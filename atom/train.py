@@ -81,7 +81,10 @@ class RunSummary:
     steps: int = 0
     last_loss: float | None = None
     val_loss: float | None = None
-    tokens_per_s: float | None = None
+    tokens: int = 0  # trained by this process (steps rolled back included)
+    wall_s: float | None = None  # from the first step's start to the last save's end
+    tokens_per_s: float | None = None  # tokens over wall_s
+    step_tokens_per_s: float | None = None  # tokens over the steps' own time (no eval, saves)
     step_time_s: float | None = None  # median of steady-state steps
     device_peak_bytes: int = 0
     checkpoint: Path | None = None
@@ -344,19 +347,19 @@ class Trainer:
                 )
             self.run_log = self._needing_files(
                 "opening metrics.jsonl",
-                lambda: RunLog(
-                    self.out, self.start_step, end, self.progress, self.loggers, tc.log_interval
-                ),
-            )
+                lambda: RunLog(self.out, self.start_step, end, self.progress, self.loggers,
+                               tc.log_interval, self._tokens_per_step()),
+            )  # fmt: skip
         except BaseException:
             # Ctrl+C (or SIGTERM) before the loop: the same shutdown. Left to atexit, the
             # peers' server threads once ran into pyzmq's own exit (a traceback in the log)
             self.close()
             raise
-        rates: list[float] = []
+        step_times: list[float] = []  # every step this process trains
+        t0 = time.perf_counter()
         with Interrupts(hold=lambda: self.engine.committed) as interrupts:
             try:
-                self._loop(summary, end, interrupts, rates)
+                self._loop(summary, end, interrupts, step_times)
             except KeyboardInterrupt:
                 try:
                     with interrupts.saving("writing the last step's record"):
@@ -381,16 +384,23 @@ class Trainer:
             if summary.steps > self.start_step and self._saved_step != summary.steps:
                 with interrupts.saving():
                     summary.checkpoint = self.save(summary.steps)
-        # skip the first step's rate: it pays one-off allocation and warm-up
-        steady = rates[1:] or rates
-        summary.tokens_per_s = sum(steady) / len(steady) if steady else None
+        # tokens over time, never a mean of per-step rates (a few fast steps inflated it)
+        summary.wall_s = time.perf_counter() - t0
+        summary.tokens = len(step_times) * self._tokens_per_step()
+        if step_times:
+            summary.tokens_per_s = summary.tokens / summary.wall_s
+            summary.step_tokens_per_s = summary.tokens / sum(step_times)
         times = sorted(r["step_time_s"] for r in summary.history[1:] or summary.history)
         summary.step_time_s = times[len(times) // 2] if times else None
         summary.device_peak_bytes = self.engine.device_peak_bytes()
         self.close()
         return summary
 
-    def _loop(self, summary: RunSummary, end: int, interrupts: Interrupts, rates) -> None:
+    def _tokens_per_step(self) -> int:
+        tc = self.cfg.train
+        return tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len
+
+    def _loop(self, summary: RunSummary, end: int, interrupts: Interrupts, times) -> None:
         """Steps start_step..end, one `train_step` each; a loss that stopped being finite or
         a save that found bad weights (TrainingError) rolls back to the newest checkpoint."""
         losses = LossWatch()
@@ -399,13 +409,13 @@ class Trainer:
         while step < end:
             interrupts.at_step_boundary()
             try:
-                step = self.train_step(step, end, summary, interrupts, losses, rates)
+                step = self.train_step(step, end, summary, interrupts, losses, times)
             except TrainingError as err:
                 step, losses = self._roll_back(err, summary, interrupts), LossWatch()
                 self._t_prev = time.perf_counter()
 
     def train_step(self, step: int, end: int, summary: RunSummary, interrupts: Interrupts,
-                   losses: LossWatch, rates: list[float]) -> int:  # fmt: skip
+                   losses: LossWatch, times: list[float]) -> int:  # fmt: skip
         """Step `step` + 1: the engine's step, its record (told by the run log: file,
         loggers, terminal), the peers' turn, evaluation and a checkpoint on their cadence.
         Returns the step done."""
@@ -426,8 +436,8 @@ class Trainer:
             self.gossip.after_step(done)
         now = time.perf_counter()
         dt, self._t_prev = now - self._t_prev, now
-        rates.append(tc.micro_batch * tc.grad_accum * self.cfg.model.seq_len / dt)
-        record = self._untold = self._record(done, result, lr, rates[-1], dt)
+        times.append(dt)
+        record = self._untold = self._record(done, result, lr, dt)
         losses.see(done, result.loss, self._newest_checkpoint)  # atom/guard.py
         if self.gossip is not None:
             record["gossip"] = self.gossip.record()
@@ -453,9 +463,7 @@ class Trainer:
             return
         if isinstance(untold, tuple):  # cut before its record was made
             done, result, lr = untold
-            dt = time.perf_counter() - self._t_prev
-            tokens = self.cfg.train.micro_batch * self.cfg.train.grad_accum
-            untold = self._record(done, result, lr, tokens * self.cfg.model.seq_len / dt, dt)
+            untold = self._record(done, result, lr, time.perf_counter() - self._t_prev)
         if self.run_log.told < untold["step"]:  # not if cut after the file had it
             self.run_log.step(untold, {})
             summary.history.append(untold)
@@ -512,12 +520,12 @@ class Trainer:
             self.gossip.after_step(step)
         return step
 
-    def _record(self, done: int, result, lr: float, rate: float, dt: float) -> dict:
+    def _record(self, done: int, result, lr: float, dt: float) -> dict:
         record = {
             "step": done,
             "loss": result.loss,
             "lr": lr,
-            "tokens_per_s": rate,
+            "tokens_per_s": self._tokens_per_step() / dt,  # this step's, over its own time
             "step_time_s": dt,
             "device_peak_bytes": self.engine.device_peak_bytes(),
         }

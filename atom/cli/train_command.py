@@ -142,7 +142,9 @@ def _train(args, cfg, plan, out: Path) -> int:
         first = summary.history[0]["loss"]
         print(
             f"atom: {summary.steps} steps; loss {first:.4f} -> {summary.last_loss:.4f}; "
-            f"val loss {summary.val_loss:.4f}; {summary.tokens_per_s:,.0f} tokens/s; "
+            f"val loss {summary.val_loss:.4f}; {summary.tokens:,} tokens in "
+            f"{summary.wall_s:.1f} s: {summary.tokens_per_s:,.0f} tokens/s "
+            f"({summary.step_tokens_per_s:,.0f} over the steps' own time); "
             f"device peak {summary.device_peak_bytes / 2**20:.1f} MiB"
         )
     if plan is not None and summary.step_time_s is not None:
@@ -150,7 +152,8 @@ def _train(args, cfg, plan, out: Path) -> int:
         print(
             f"atom: plan predicted {pred.step_s:.3f} s/step and "
             f"{pred.peak_device_bytes / 2**20:.1f} MiB device peak; measured "
-            f"{summary.step_time_s:.3f} s/step ({summary.step_time_s / pred.step_s:.2f}x) and "
+            f"{summary.step_time_s:.3f} s/step (median; "
+            f"{summary.step_time_s / pred.step_s:.2f}x) and "
             f"{summary.device_peak_bytes / 2**20:.1f} MiB "
             f"({summary.device_peak_bytes / max(pred.peak_device_bytes, 1):.2f}x)"
         )
