@@ -22,6 +22,7 @@ from atom.optim import lr_at
 from atom.swap import landing as landing_mod
 from atom.swap.backend import CpuBackend, Transfer
 from atom.swap.engine import SwapEngine
+from atom.swap.units import aligned
 from tests.conftest import tiny_config
 from tests.fake_cuda import cuda_backend
 from tests.test_swap_equivalence import batches_for, rel_err
@@ -34,18 +35,25 @@ def _gradient(sim, sizes: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("sizes", [[37, 100, 5], [1], [256], [3, 3, 3, 3, 3, 3, 3, 3, 3]])
 def test_pieces_reassemble_the_gradient_across_chunk_and_tensor_boundaries(monkeypatch, sizes):
+    """A list is a unit's parameters: each lands where the unit's layout puts it (at an
+    aligned offset); the padding between them never crosses."""
     backend, sim = cuda_backend(monkeypatch, 0, watch_host=False)
     backend.size_staging(256, torch.float32)  # 8 chunks of 128 bytes: 32 floats each
     try:
         grads = _gradient(sim, sizes)
         with sim.watch():
             t = backend.d2h(grads if len(grads) > 1 else grads[0], backend.record())
-        landed = torch.full((sum(sizes),), float("nan"))
+        places = [aligned(sum(aligned(n) for n in sizes[:k])) for k in range(len(sizes))]
+        want = torch.full((places[-1] + sizes[-1],), float("nan"))
+        for at, g in zip(places, grads, strict=True):
+            want[at : at + g.numel()] = g
+        landed = torch.full_like(want, float("nan"))
         with sim.host_watch():
             for offset, host in backend.host_pieces(t):
                 landed[offset : offset + host.numel()] = host
         backend.release_host(t)
-        assert torch.equal(landed, torch.cat(grads))
+        assert torch.equal(landed.isnan(), want.isnan())
+        assert torch.equal(landed.nan_to_num(), want.nan_to_num())
         assert backend._staging.qsize() == backend._staging_chunks  # all back
         assert sim.violations == []
     finally:

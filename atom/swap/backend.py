@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom.swap.malloc import keep_freed_blocks
+from atom.swap.units import aligned
 from atom.threads import start_helper
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class Transfer:
     result: torch.Tensor | None = None  # CPU D2H: the data itself (no copy is made)
     ready_wait_s: float = 0.0  # H2D: how long the copy waited for the host optimizer
     job: Callable[[], None] | None = None  # a copy not yet run (inline: run when needed)
-    # CUDA D2H: (element offset, host view, its copy's event, staging chunk), in order
+    # CUDA D2H: (element offset in the unit's layout, host view, its copy's event, staging
+    # chunk), in order; a chunk holds one piece per source it takes a part of
     pieces: list = field(default_factory=list)
     held: list = field(default_factory=list)  # staging chunks not yet handed back
 
@@ -148,21 +150,23 @@ class Backend:
         abort: Callable[[], None] | None = None,
         dtype: torch.dtype | None = None,
     ) -> Transfer:
-        """Copy device `src` (one flat tensor, or a list of tensors laid out back to back)
-        to host; `host_pieces` hands the data over. The copy waits for the compute issued
-        before this call and for what d2h itself issues there (flattening a
-        non-contiguous tensor); `after`: a marker it must also wait for. The caller hands
-        the transfer back with `release_host` once consumed (once: a second release is
-        ignored). `abort` is called while waiting for a free host buffer and raises to
-        give up (the consumer of those buffers has failed). `dtype`: cross in this dtype,
-        converted on the device (a backend without a bus may hand over `src` as it is)."""
+        """Copy device `src` (one flat tensor, or a unit's parameters in unit order, placed
+        as the unit's flat buffer places them: atom/swap/units.py) to host; `host_pieces`
+        hands the data over at offsets into that layout (the padding between parameters
+        does not cross). The copy waits for the compute issued before this call and for
+        what d2h itself issues there (flattening a non-contiguous tensor); `after`: a
+        marker it must also wait for. The caller hands the transfer back with
+        `release_host` once consumed (once: a second release is ignored). `abort` is
+        called while waiting for a free host buffer and raises to give up (the consumer
+        of those buffers has failed). `dtype`: cross in this dtype, converted on the
+        device (a backend without a bus may hand over `src` as it is)."""
         raise NotImplementedError
 
     def host_pieces(self, t: Transfer) -> Iterator[tuple[int, torch.Tensor | list[torch.Tensor]]]:
         """A D2H transfer's data on a host thread, in order, each piece once it has landed:
-        (element offset into the flat gradient, a host tensor; or, on the CPU backend, at
-        offset 0, what d2h was given). A piece's host memory may be reused once the
-        consumer asks for the next one."""
+        (element offset into the unit's flat gradient, a host tensor; or, on the CPU
+        backend, at offset 0, what d2h was given). A piece's host memory may be reused
+        once the consumer asks for the next one."""
         _wait_issued(t)
         yield 0, t.result
 
@@ -395,6 +399,12 @@ class CudaBackend(Backend):
         # copy stream waits for is recorded after that copy, not before it
         srcs = [t.reshape(-1) for t in ([src] if isinstance(src, torch.Tensor) else src)]
         written = self.record()
+        # where each source starts in the unit's flat layout: a list is a unit's
+        # parameters, each at an aligned offset (atom/swap/units.py); gaps do not cross
+        places, end = [], 0
+        for s in srcs:
+            places.append(end)
+            end = aligned(end + s.numel())
         numel = sum(t.numel() for t in srcs)
         dtype = dtype or srcs[0].dtype
         item = torch.empty(0, dtype=dtype).element_size()
@@ -419,21 +429,22 @@ class CudaBackend(Backend):
                 t.held.append(buf)
                 n = min(per, numel - start)
                 host = buf[: n * item].view(dtype)
+                runs = []  # (offset in the unit's layout, the part of host it lands in)
                 with torch.cuda.stream(self.d2h_stream):
                     done = 0
                     while done < n:  # a chunk may span several of the sources
                         take = min(n - done, srcs[which].numel() - within)
                         # another dtype: converted on the device (a chunk-sized temporary
                         # on this stream), then copied: torch does so when non_blocking
-                        host[done : done + take].copy_(
-                            srcs[which][within : within + take], non_blocking=True
-                        )
+                        part = host[done : done + take]
+                        part.copy_(srcs[which][within : within + take], non_blocking=True)
+                        runs.append((places[which] + within, part))
                         done, within = done + take, within + take
                         if within == srcs[which].numel():
                             which, within = which + 1, 0
                     ev = torch.cuda.Event(blocking=True)  # the host worker sleeps on it
                     ev.record(self.d2h_stream)
-                t.pieces.append((start, host, ev, buf))
+                t.pieces.extend((offset, part, ev, buf) for offset, part in runs)
                 start += n
         except BaseException:
             # the chunks' copies are queued on the D2H stream, in order: a later copy into
@@ -466,10 +477,11 @@ class CudaBackend(Backend):
 
     def host_pieces(self, t: Transfer):
         _wait_issued(t)
-        for offset, host, ev, buf in t.pieces:
+        for k, (offset, host, ev, buf) in enumerate(t.pieces):
             ev.synchronize()
             yield offset, host
-            self._give_back(t, buf)  # consumed: the next copy may reuse it
+            if k + 1 == len(t.pieces) or t.pieces[k + 1][3] is not buf:
+                self._give_back(t, buf)  # its last piece consumed: the next copy may reuse it
 
     def _give_back(self, t: Transfer, buf) -> None:
         # the landing (host worker) and a cleanup path may both hand a transfer back

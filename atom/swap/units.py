@@ -5,6 +5,10 @@ Each unit's parameters are laid out in one flat buffer (the thing that crosses t
 
     [ owned, weight-decayed | owned, not decayed | aliases of other units' params ]
 
+each parameter at an element offset that is a multiple of ALIGN, with padding between
+(zeros in every buffer of the layout: they are never a weight, and a zero gradient leaves
+a zero master and zero moments).
+
 An alias is a tied weight (GPT's head reuses the embedding matrix): its master copy and
 optimizer state belong to the owning unit; the holder only gets a copy to compute with
 and sends its gradient back to be folded into the owner's.
@@ -20,6 +24,18 @@ from torch import nn
 from atom.model import LanguageModel
 from atom.model.documents import Documents
 from atom.model.head_loss import head_loss
+
+# Why: compiled blocks (torch.compile, train.compile_blocks) get each parameter as a view of
+# a device slot, and Inductor's kernels load 16 bytes at a time from inputs that are
+# 16-byte aligned (an unaligned one is copied, or read by slower code). 8 elements are 16
+# bytes in the narrowest dtype a unit's flat buffers come in (bf16/fp16; 32 in fp32); the
+# host master, gradient and optimizer state share the layout, as copies go flat 1:1.
+ALIGN = 8
+
+
+def aligned(n: int) -> int:
+    """`n` elements rounded up to where the next parameter of a unit may start."""
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -39,7 +55,8 @@ class UnitSpec:
     kind: str  # embed | blocks | head
     module: nn.Module  # built on the meta device: structure only, parameters come from a slot
     params: list[ParamEntry] = field(default_factory=list)
-    n_owned: int = 0  # elements of owned params: the master/optimizer region
+    # in elements, padding included (a flat buffer's size: never a sum of numels)
+    n_owned: int = 0  # owned params: the master/optimizer region
     n_decay: int = 0  # first n_decay elements are weight-decayed
     n_total: int = 0  # owned + aliases: what goes to the device
     # (submodule, attribute) per entry of params: where run_unit binds each tensor
@@ -109,7 +126,7 @@ def partition(model: LanguageModel, layers_per_unit: int) -> list[UnitSpec]:
             )
             unit.params.append(entry)
             owner_of[id(param)] = (index, entry)
-            offset += param.numel()
+            offset = aligned(offset + param.numel())
             if entry.decay:
                 unit.n_decay = offset
         unit.n_owned = offset
@@ -126,7 +143,7 @@ def partition(model: LanguageModel, layers_per_unit: int) -> list[UnitSpec]:
                     alias_of=(owner, owner_entry.offset),
                 )
             )
-            offset += param.numel()
+            offset = aligned(offset + param.numel())
         unit.n_total = offset
         for entry in unit.params:
             owner, _, attr = entry.local_name.rpartition(".")
