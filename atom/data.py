@@ -15,6 +15,7 @@ IGNORE. Plain text is one stream: random windows, every token learned, as before
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -413,6 +414,14 @@ class _DocumentIndex:
         return np.minimum(chosen, n - T - 1)
 
 
+def peer_seed(seed: int, name: str) -> int:
+    """A peer's own seed, from the run's and the peer's name: peers of one group draw
+    different batches (identical peers averaging each other waste the group), and a
+    peer restarted under its name draws its own again. 63 bits: torch.manual_seed too."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 class TokenData:
     """Random-window batches over a prepared dataset, reproducible from (seed, step, micro)."""
 
@@ -421,6 +430,7 @@ class TokenData:
         self.seq_len = seq_len
         # SeedSequence takes non-negative entropy only; folding keeps any int seed usable.
         self.seed = seed % (1 << 64)
+        self.order_seed = self.seed  # the training windows' (reorder: a peer's own)
         if seq_len < 1:
             raise DataError(f"seq_len must be at least 1, got {seq_len}")
         if self.data_dir.is_file():
@@ -517,8 +527,13 @@ class TokenData:
         for a dataset of documents; a pure function of (seed, step, micro)."""
         if step < 0 or micro < 0:
             raise ValueError(f"step and micro must be non-negative, got {step}, {micro}")
-        rng = np.random.default_rng([self.seed, _TRAIN_STREAM, step, micro])
+        rng = np.random.default_rng([self.order_seed, _TRAIN_STREAM, step, micro])
         return self._windows(self._train, rng, batch_size)
+
+    def reorder(self, seed: int) -> None:
+        """Training windows drawn from `seed` (a peer's own order); the val batches stay
+        train.seed's, so that every peer measures on the same windows."""
+        self.order_seed = seed % (1 << 64)
 
     def val_batches(self, n_batches: int, batch_size: int) -> list[tuple]:
         """A fixed set of val batches; batch k depends only on (seed, k), so sets nest."""

@@ -22,7 +22,7 @@ import torch
 
 from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from atom.config import Config, ConfigError, model_differences
-from atom.data import TokenData, check_vocab, default_corpus
+from atom.data import TokenData, check_vocab, default_corpus, peer_seed
 from atom.device import resolve_device
 from atom.engine_protocol import Engine
 from atom.errors import TrainingError
@@ -163,6 +163,8 @@ class Trainer:
             self._resources.callback(self._stop_gossip)  # goodbye before the engine goes
             if ckpt is not None and not self.gossip.joined_from:  # its own state, not pulled
                 self._restore_gossip(ckpt)
+            if cfg.gossip.own_seed:
+                self._seed_as_peer(fresh=ckpt is None)
             self.start_step = self.gossip.step
             if self.start_step >= cfg.train.max_steps:  # a group at (or claiming) step 2^62
                 raise ConfigError(
@@ -173,6 +175,18 @@ class Trainer:
         self.metrics_path = self.out / "metrics.jsonl"
         self._needing_files("opening the run directory", self._open_run_dir)
         self._resources.callback(self._close_log)
+
+    def _seed_as_peer(self, fresh: bool) -> None:
+        """A peer's own batches and random stream, from train.seed and its name: with one
+        seed, peers trained on the same batches as each other (and as a run alone). A
+        resumed peer's random stream is its checkpoint's, which already is its own."""
+        seed = peer_seed(self.cfg.train.seed, self.gossip.id)
+        self.data.reorder(seed)
+        if fresh:
+            torch.manual_seed(seed)
+        log.info("peer %s draws its own batches: seed %d (train.seed %d and its name; "
+                 "--set gossip.own_seed=false shares train.seed's)", self.gossip.id, seed,
+                 self.cfg.train.seed)  # fmt: skip
 
     def _open_run_dir(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

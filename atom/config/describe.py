@@ -97,6 +97,9 @@ DESCRIPTIONS: dict[str, str] = {
     "gossip.group_key": "this peer's key bundle from `atom keygen` (`--group-key`)",
     "gossip.insecure": "allow listening on a non-loopback address without a group key",
     "gossip.name": "peer id; default: the key bundle's name, else a random one",
+    "gossip.own_seed": "each peer's data order and torch random stream seeded by `train.seed` "
+    "and its name, said in its first lines (peers on the same batches waste the group); "
+    "`false`: `train.seed`'s, as a run alone",
     "gossip.advertise": "the endpoint others dial; default: the listen address",
     "gossip.group": "name of an open (keyless) group; a keyed group is named by its key",
     "gossip.strategy": "`diloco` (outer Nesterov step every diloco_steps), `noloco` (the "

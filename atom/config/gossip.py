@@ -73,6 +73,9 @@ class GossipConfig:
     group_key: str | None = None  # a bundle directory made by `atom keygen`
     insecure: bool = False  # allow a non-loopback listen address without a group key
     name: str = ""  # peer id; default: the key bundle's name, else host-random
+    # each peer draws its own batches and random stream, seeded by train.seed and its name
+    # (identical peers averaging each other waste the group); false: train.seed's alone
+    own_seed: bool = True
     advertise: str = ""  # endpoint others dial; default: listen (with a wildcard host resolved)
     group: str = "atom"  # name of an open (keyless) group; keyed groups are named by their key
     # gossip (pairwise averaging) | diloco (outer Nesterov step every diloco_steps) |
