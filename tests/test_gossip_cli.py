@@ -5,6 +5,7 @@ pytest tests/test_gossip_cli.py
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -75,3 +76,49 @@ def test_peers_prints_the_group(tmp_path, capsys):
     assert "250.00 kB sent, 300.00 kB received per step over 40 steps (0.25x the fp32" in out
     code, _, err = run(capsys, "peers", str(tmp_path / "nothing"))
     assert code == 2 and "no gossip.json" in err
+
+
+def test_an_empty_set_value_is_the_empty_string():
+    """`--set gossip.join=` said "gossip.join must be str, got None" though its default
+    is ""; a key that also takes null (gossip.listen) keeps YAML's null."""
+    from atom.run_config import load_run_config
+
+    cfg = load_run_config(None, ["gossip.join=", "gossip.listen=", "gossip.name="])
+    assert cfg.gossip.join == "" and cfg.gossip.listen is None and cfg.gossip.name == ""
+
+
+@pytest.mark.multiprocess
+def test_a_peers_run_continues_alone_with_one_flag(tmp_path, text_dataset, capsys):
+    """issue 42: once its group was gone, `atom train --resume runs/bob` reused the saved
+    --listen/--join, and after the join timeout said "start the first peer without
+    --join", though none was typed; only two --set's nobody names worked. The failing
+    join names --alone, and --alone continues the run without peers."""
+    import sys
+
+    from tests import gossip_util as gu
+
+    sets = ["--set", f"train.data={text_dataset}", "--set", "model.n_layer=1", "--no-progress"]
+    alice = gu.start([sys.executable, "-m", "atom.cli", "train", "--out", str(tmp_path / "a"),
+                      "--listen", "tcp://127.0.0.1:0", "--max-steps", "100000", *sets],
+                     tmp_path / "a.log")  # fmt: skip
+    try:
+        ep = gu.endpoint(tmp_path / "a", procs=[alice])
+        bob = str(tmp_path / "b")
+        code, _, err = run(capsys, "train", "--out", bob, "--listen", "tcp://127.0.0.1:0",
+                           "--join", ep, "--set", "gossip.pull_state=false", "--max-steps",
+                           "2", *sets)  # fmt: skip
+        assert code == 0, err
+    finally:
+        alice.kill()
+        alice.wait(30)
+    code, out, err = run(capsys, "train", "--resume", bob, "--max-steps", "4", "--set",
+                         "gossip.join_timeout_s=1", *sets)  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "no group member answered" in err and "--alone" in err
+    assert "--alone continues it without peers" in out  # said before the wait
+    code, out, err = run(capsys, "train", "--resume", bob, "--max-steps", "4", "--alone", *sets)
+    assert code == 0, err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4]
+    code, _, err = run(capsys, "train", "--resume", bob, "--alone", "--join", ep, *sets)
+    assert code == 2 and "--alone trains without peers" in err

@@ -4,6 +4,7 @@ atom/cli/__init__.py calls these hooks, so everything about peers' flags lives h
 
     atom train --listen tcp://HOST:PORT [--join tcp://HOST:PORT ...] [--group-key DIR]
                [--insecure]
+    atom train --resume RUN --alone             # a peer's run, continued without peers
     atom keygen DIR --peers alice,bob,carol      # CURVE keys: a bundle per peer
     atom peers RUN_DIR [--watch]                 # the group as this peer sees it
 """
@@ -40,6 +41,12 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
         help="this peer's key bundle from `atom keygen` (only allow-listed peers connect)",
     )
     g.add_argument(
+        "--alone",
+        action="store_true",
+        help="train without peers: no --listen or --join, nor those a resumed peer's run "
+        "saved (continue a peer's run alone once its group is gone)",
+    )
+    g.add_argument(
         "--insecure",
         action="store_true",
         help="allow listening on a non-loopback address without a group key",
@@ -48,6 +55,10 @@ def add_train_args(t: argparse.ArgumentParser) -> None:
 
 def train_overrides(args: argparse.Namespace) -> list[str]:
     """The peer flags as --set overrides (validated with the rest of the config)."""
+    if args.alone:
+        if args.listen or args.join:
+            raise ConfigError("--alone trains without peers: drop --listen and --join")
+        return ["gossip.listen=null", "gossip.join="]  # over the saved ones of a resume
     out = []
     if args.listen:
         out.append(f"gossip.listen={args.listen}")

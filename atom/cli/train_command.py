@@ -76,6 +76,12 @@ def resolve_run(args):
     claim = run_dir.choose(args.out, args.resume, _peer_flags(args))  # held until the end
     for change in changes:
         print(f"atom: resuming with {change}", flush=True)
+    if saved is not None and cfg.gossip.enabled and not (args.listen or args.join):
+        print(
+            f"atom: resuming as a peer (saved in the run: gossip.listen {cfg.gossip.listen}, "
+            f"gossip.join {cfg.gossip.join or 'none'}); --alone continues it without peers",
+            flush=True,
+        )
     if saved is None and plan is None and not args.resident:  # a resumed run keeps its own
         print(
             "atom: no --plan: using the config's swap settings "

@@ -362,6 +362,10 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _takes_only_str(section: Any, key: str) -> bool:
+    return typing.get_type_hints(type(section))[key] is str
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `section.key=value` strings to a raw config mapping (before validation)."""
     defaults = Config()
@@ -382,7 +386,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}
-        data[section][key] = _parse_value(raw)
+        value = _parse_value(raw)
+        if value is None and not raw.strip() and _takes_only_str(getattr(defaults, section), key):
+            value = ""  # `--set gossip.join=`: the empty string, not YAML's null
+        data[section][key] = value
     return data
 
 

@@ -377,7 +377,8 @@ class GossipPeer:
                         f"{self.cfg.join_timeout_s:.0f}s; check the address, the firewall and "
                         "--group-key; a peer behind a home router (NAT) cannot be joined: join "
                         "a member others can reach, forward its port or use a private network "
-                        "(README: Over the internet); or start the first peer without --join"
+                        "(README: Over the internet); or train without peers: the first peer "
+                        "without --join, a peer's run resumed alone with --alone"
                     )
                 self.stop.wait(0.1)
         finally:
