@@ -351,13 +351,15 @@ def find_latest(path: Path) -> Path:
     return _resolve(Path(path), verify=True)[0]
 
 
-def load_checkpoint(path: Path, verify: bool = True) -> Checkpoint:
+def load_checkpoint(path: Path, verify: bool = True, fall_back: bool = True) -> Checkpoint:
     """Open a checkpoint: a step dir, or the newest usable one under a run/checkpoints dir.
 
     verify=True hashes every file (sha256); verify=False only checks meta.json and file sizes,
-    which is instant but misses damage that keeps the size.
+    which is instant but misses damage that keeps the size. fall_back=False: a run's newest
+    checkpoint or nothing (a resume: a damaged newest one is the user's to know of, not to
+    be skipped past by training from an older one and setting the damaged one aside).
     """
-    return Checkpoint(*_resolve(Path(path), verify))
+    return Checkpoint(*_resolve(Path(path), verify, fall_back))
 
 
 class Checkpoint:
@@ -425,7 +427,7 @@ class Checkpoint:
             raise _corrupt(self.path, f"cannot read {file.name} ({_one_line(e)})") from e
 
 
-def _resolve(path: Path, verify: bool) -> tuple[Path, dict[str, Any]]:
+def _resolve(path: Path, verify: bool, fall_back: bool = True) -> tuple[Path, dict[str, Any]]:
     if path.is_dir() and (_STEP_RE.match(path.name) or (path / META_NAME).exists()):
         return path, _check(path, verify)  # an explicit step dir must itself be usable
     if not path.exists():
@@ -439,6 +441,8 @@ def _resolve(path: Path, verify: bool) -> tuple[Path, dict[str, Any]]:
             f"no checkpoint found in {path}; train first or pass a run directory "
             "containing checkpoints/"
         )
+    if not fall_back:
+        return candidates[-1], _check(candidates[-1], verify)
     newest_error: CheckpointError | None = None
     for d in reversed(candidates):
         try:
@@ -536,9 +540,14 @@ def _meta_problem(doc: dict[str, Any], d: Path) -> str | None:
 
 
 def _corrupt(d: Path, problem: str) -> CheckpointError:
-    return CheckpointError(
-        f"checkpoint {d} is corrupt: {problem}; delete it or resume from an older one"
+    step = step_of(d)
+    older = (
+        [c for c in list_checkpoints(d.parent.parent) if step_of(c) < step]
+        if step is not None and d.parent.name == CHECKPOINTS_DIR
+        else []
     )
+    fix = f"resume from an older one: --resume {older[-1]}" if older else "delete it"
+    return CheckpointError(f"checkpoint {d} is corrupt: {problem}; {fix} (nothing was changed)")
 
 
 def _one_line(e: BaseException) -> str:

@@ -211,7 +211,7 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
     def _open_resume(self, path: Path):
-        ckpt = load_checkpoint(Path(path))
+        ckpt = load_checkpoint(Path(path), fall_back=False)  # a damaged newest: refused
         said = model_differences(ckpt.meta.get("config", {}).get("model"), self.cfg, "saved")
         if said:
             raise CheckpointError(

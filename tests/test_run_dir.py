@@ -197,3 +197,34 @@ def test_an_export_into_a_run_being_trained_is_refused(finished, capsys):
         assert code == 2 and f"PID {os.getpid()}" in err and "export outside it" in err
     code, _, err = run_cli(capsys, "export", str(finished), "--hf", str(finished / "hf"))
     assert code == 0, err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_corrupt_newest_checkpoint_is_refused_and_left_untouched(finished, capsys, damage):
+    """issue 42: `--resume RUN` with a damaged newest checkpoint warned, trained from the
+    one before and moved the damaged one into superseded/, though the docs said such a
+    checkpoint is refused with one line naming an older one and left untouched. Damage
+    on disk is the user's to know of: refused, in one line naming the older one."""
+    victim = finished / "checkpoints" / "step_00000004" / "unit_001.safetensors"
+    if damage == "truncated":  # the size no longer matches: found before anything else
+        os.truncate(victim, 1000)
+    else:  # the same size, another sha256: found when the resume hashes its files
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+
+    def files() -> dict[str, bytes]:
+        return {str(p.relative_to(finished)): p.read_bytes() for p in finished.rglob("*")
+                if p.is_file() and p.name != "run.lock"}  # fmt: skip
+
+    before = files()
+    code, _, err = run_cli(capsys, "train", "--resume", str(finished), "--max-steps", "6",
+                           "--no-progress")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "step_00000004 is corrupt" in err
+    assert f"--resume {finished / 'checkpoints' / 'step_00000002'}" in err
+    assert files() == before
+    code, _, err = run_cli(capsys, "train", "--resume",
+                           str(finished / "checkpoints" / "step_00000002"), "--max-steps", "3",
+                           "--no-progress")  # fmt: skip
+    assert code == 0, err  # the named fix works (the damaged one is then set aside, kept)

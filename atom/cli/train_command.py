@@ -51,7 +51,7 @@ def resolve_run(args):
             )
         from atom.checkpoint import load_checkpoint
 
-        resumed = load_checkpoint(Path(args.resume), verify=False)
+        resumed = load_checkpoint(Path(args.resume), verify=False, fall_back=False)
     saved = resumed.meta.get("config") if resumed is not None else None
     if saved is not None:
         cfg = resume_run_config(saved, overrides, args.max_steps)
