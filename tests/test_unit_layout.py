@@ -88,12 +88,6 @@ CASES = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="padding left uninitialised: atom/swap/host_store.py (init_weights, gather_owned) "
-    "and atom/swap/engine.py (the device-side gradient sums) allocate flat buffers with "
-    "torch.empty; with torch.zeros there this passes: drop this mark in that change",
-)
 @pytest.mark.parametrize("arch,backend,train", CASES.values(), ids=CASES.keys())
 def test_an_odd_width_model_trains_swapped_as_resident(
     monkeypatch, poisoned_empty, arch, backend, train

@@ -222,6 +222,12 @@ class SwapConfig:
     # behind). None: everything in RAM. Working state only: checkpoints are separate.
     disk_dir: str | None = None
     disk_slots: int = 3
+    # Units whose optimizer update runs on the device (atom/swap/card_update.py): "none",
+    # "all" (every unit not tied to another), or indices such as "1-30". The gradient stays
+    # on the device and the unit's state crosses the bus for the update instead (compact
+    # state: ~4 bytes a parameter each way): for small batches, where the host's update of
+    # every parameter each step is the bottleneck.
+    card_update: str = "none"
 
     def __post_init__(self) -> None:
         if self.disk_slots < 2:
@@ -235,6 +241,11 @@ class SwapConfig:
             raise ValueError(f"swap.layers_per_unit must be >= 1, got {self.layers_per_unit}")
         if self.prefetch < 0:
             raise ValueError(f"swap.prefetch must be >= 0, got {self.prefetch}")
+        if self.card_update.strip() not in ("", "none") and self.disk_dir is not None:
+            raise ValueError(
+                "swap.card_update does not work with the NVMe tier (swap.disk_dir) yet: "
+                "set swap.card_update=none, or keep the state in RAM"
+            )
         if self.offload_activations and not self.checkpoint:
             raise ValueError(
                 "swap.offload_activations needs swap.checkpoint: true (only the "
@@ -275,6 +286,11 @@ class Config:
             raise ValueError(
                 "swap.disk_dir (the NVMe tier) does not train with peers yet; drop "
                 "--listen/--join or swap.disk_dir"
+            )
+        if self.swap.card_update.strip() not in ("", "none") and self.train.optimizer != "adamw":
+            raise ValueError(
+                "swap.card_update runs torch's AdamW on the device: set train.optimizer=adamw, "
+                "or swap.card_update=none"
             )
         if self.swap.disk_dir is not None and self.train.optimizer == "deepspeed":
             raise ValueError("swap.disk_dir works with train.optimizer=adamw, not deepspeed")

@@ -90,6 +90,8 @@ DESCRIPTIONS: dict[str, str] = {
     "swap.disk_dir": "the NVMe tier: a directory for master weights and moments, paged "
     "around each unit's update; null: in RAM",
     "swap.disk_slots": "NVMe tier: units' state held in RAM at once",
+    "swap.card_update": "units whose update runs on the device, their state streamed over "
+    "the bus: `none`, `all` (every unit not tied to another), or indices such as `1-30`",
     # ------------------------------------------------------------------ gossip
     "gossip.listen": "tcp://HOST:PORT to listen on (`--listen`); null: train alone, or with "
     "gossip.join a client that starts every exchange itself",

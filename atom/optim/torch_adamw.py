@@ -151,6 +151,21 @@ class TorchUnitOptimizer:
         for p in self._params:
             p.grad = self._grads[id(p)]
 
+    def begin_card_step(self) -> tuple[float, list[tuple[torch.Tensor, ...]]]:
+        """The step the card update (atom/swap/card_update.py) is about to make, as the
+        host step would make it: the step count advanced (torch advances it before its
+        kernel), and per group (master view, exp_avg, exp_avg_sq, weight decay, betas), the
+        moments created as zeros on the first step."""
+        steps = self.steps
+        groups = []
+        for group in self.opt.param_groups:
+            (p,) = group["params"]
+            state = init_state(self.opt, p, steps)
+            state["step"] += 1  # a tensor in place, or an int rebound
+            groups.append((p, state["exp_avg"], state["exp_avg_sq"], group["weight_decay"],
+                           group["betas"]))  # fmt: skip
+        return float(steps + 1), groups
+
     def step(self, lr: float, coef: float = 1.0) -> None:
         if coef != 1.0:
             self.grad.mul_(coef)

@@ -29,16 +29,19 @@ from collections.abc import Callable
 import torch
 
 from atom.config import Config
-from atom.engine_protocol import EngineInfo, SharedUnit, StepResult
+from atom.engine_protocol import EngineInfo, StepResult
+from atom.errors import ConfigError
 from atom.model import build_model
 from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
 from atom.model.documents import micro_batch
-from atom.optim import STATE_KEYS, TorchUnitOptimizer
+from atom.optim import TorchUnitOptimizer
 from atom.optim.compact import ChunkScratch, CompactAdamW
 from atom.optim.compact_kernel import CompiledChunkUpdate
 from atom.swap.backend import Backend
+from atom.swap.card_update import CardUpdate, parse_units
 from atom.swap.disk_tier import DiskTier, UnitRecord
-from atom.swap.host_store import HostStore, gather_owned
+from atom.swap.engine_state import EngineState
+from atom.swap.host_store import HostStore
 from atom.swap.host_worker import HostWorker
 from atom.swap.landing import GradientLanding, crossing_dtype
 from atom.swap.loss_scaler import LossScaler
@@ -58,7 +61,7 @@ def _sq_norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
 
 
-class SwapEngine:
+class SwapEngine(EngineState):
     def __init__(
         self, cfg: Config, backend: Backend, compute_dtype: torch.dtype, init: bool = True
     ):
@@ -73,10 +76,16 @@ class SwapEngine:
             example = hidden_state(cfg, backend.device, compute_dtype)
             bind = stand_in_params(backend.device, compute_dtype)
             self.blocks_compiled = compile_blocks(blocks, example, bind)
+        try:
+            self.card_units = parse_units(cfg.swap.card_update, self.units)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         # before any host memory: the widest of what crosses, gradients as computed or the
-        # fp32 sums of several micro-batches
+        # fp32 sums of several micro-batches (and the card update's fp32 state)
         compact = cfg.swap.state == "compact"
         crossing = [crossing_dtype(d, compact) for d in (compute_dtype, torch.float32)]
+        if self.card_units:
+            crossing.append(torch.float32)
         backend.size_staging(
             max(u.n_total for u in self.units), max(crossing, key=lambda d: d.itemsize)
         )
@@ -109,6 +118,11 @@ class SwapEngine:
         self.committed = False
         self._plans: dict[tuple, StepPlan] = {}
         self.landing = GradientLanding.of(backend, self.store)
+        self.card = CardUpdate(backend, self.store, self.optimizers, self.worker, self.ledger)
+        # card-updated units' fp32 gradients on the device: summed over a step's runs of
+        # visits (micro-batch-major), and kept until the global norm is known (exact)
+        self._card_acc: dict[int, torch.Tensor] = {}
+        self._card_pending: dict[int, torch.Tensor] = {}
         self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
@@ -281,6 +295,8 @@ class SwapEngine:
                     if u > 0:  # unit inputs past the embedding were offloaded
                         self.backend.reclaim(x)
             st.saved.clear()
+            self._card_acc.clear()  # the ledger goes back to the step's start below
+            self._card_pending.clear()
             try:
                 self.worker.drain()
             except RuntimeError:
@@ -353,7 +369,7 @@ class SwapEngine:
         unit = self.units[u]
         if run.first_visit:
             # fp32: several micro-batches add up here (the compute dtype would lose bits)
-            acc = torch.empty(unit.n_total, dtype=torch.float32, device=self.backend.device)
+            acc = torch.zeros(unit.n_total, dtype=torch.float32, device=self.backend.device)
             self.ledger.add(acc.nbytes)
             st.acc[u] = (acc, [acc[p.offset : p.offset + p.numel].view(p.shape)
                                for p in unit.params])  # fmt: skip
@@ -370,7 +386,11 @@ class SwapEngine:
         self, u: int, p_grad: torch.Tensor | list[torch.Tensor], first: bool, last: bool
     ) -> None:
         """Send a unit's gradient (flat, or per parameter in unit order) to the host worker,
-        which copies or adds it into the unit's fp32 host gradient."""
+        which copies or adds it into the unit's fp32 host gradient. A unit updated on the
+        card keeps its gradient on the device instead (`_card_grads`)."""
+        if u in self.card_units:
+            self._card_grads(u, p_grad, first, last)
+            return
         buf = self.store.buffers[u]
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
         self.ledger.sub(sum(g.nbytes for g in grads))
@@ -411,7 +431,7 @@ class SwapEngine:
         # abort: if the worker failed, the staging chunks it held are coming back, and
         # its error is what the training thread should raise, at once
         transfer = self.backend.d2h(
-            p_grad, self.backend.record(), abort=self.worker.check, dtype=cross
+            p_grad, abort=self.worker.check, dtype=cross
         )
         # the staging chunks go back in every case: landed, failed, skipped after an
         # earlier job failed, or never queued (release_host is idempotent; land hands
@@ -421,6 +441,47 @@ class SwapEngine:
         except BaseException:
             self.backend.release_host(transfer)
             raise
+
+    def _card_grads(
+        self, u: int, p_grad: torch.Tensor | list[torch.Tensor], first: bool, last: bool
+    ) -> None:
+        """A card-updated unit's gradient: summed in fp32 on the device in the unit's flat
+        layout (as the host gradient would hold it), then updated there as the timing says:
+        at once (no clipping), clipped by the previous step's norm (eager), or kept until
+        the step's norm is known (exact: `_finish_step`)."""
+        unit = self.units[u]
+        grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
+        self.ledger.sub(sum(g.nbytes for g in grads))
+        acc = self._card_acc.pop(u, None)
+        if acc is None:
+            acc = torch.zeros(unit.n_total, dtype=torch.float32, device=self.backend.device)
+            self.ledger.add(acc.nbytes)
+        if isinstance(p_grad, torch.Tensor):
+            views = [acc]  # already flat in the unit's layout (a run's accumulator)
+        else:
+            views = [acc[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
+        if first:  # the host landing copies the first run and adds the others: so here
+            torch._foreach_copy_(views, grads)
+        else:
+            torch._foreach_add_(views, grads)
+        if not last:
+            self._card_acc[u] = acc
+            return
+        if self.scaler:
+            acc.mul_(1.0 / self.scaler.scale)
+        if self.timing != IMMEDIATE:
+            self._norm_sq[u] = _sq_norm(acc[: unit.n_owned])
+        if self.timing == EXACT:
+            self._card_pending[u] = acc  # on the device until the norm is known
+            return
+        self.committed = True  # the update below changes the unit
+        if self.timing == EAGER and not math.isfinite(self._norm_sq[u]):
+            self.eager_clip.skipped_units += 1
+            log.warning("non-finite gradient in unit %d: its update is skipped", u)
+        else:
+            coef = self.eager_clip.coef if self.timing == EAGER else 1.0
+            self.card.run(u, acc, coef, self._lr)
+        self.ledger.sub(acc.nbytes)
 
     def _update(self, u: int, coef: float, lr: float) -> None:
         buf = self.store.buffers[u]
@@ -446,14 +507,21 @@ class SwapEngine:
         overflow = not math.isfinite(total)
         if self.scaler is not None:
             self.scaler.update(overflow)
+        pending, self._card_pending = self._card_pending, {}
         if overflow:
             log.warning("non-finite gradient norm: step skipped")
             self._unblock_all()
+            self.ledger.sub(sum(g.nbytes for g in pending.values()))
             return StepResult(loss=loss, grad_norm=total, skipped=True)
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
         self.committed = True  # inline (CPU), the updates below run now
         for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
+            if u in pending:
+                grad = pending.pop(u)
+                self.card.run(u, grad, coef, self._lr)
+                self.ledger.sub(grad.nbytes)
+                continue
             if self.tier is not None:
                 self.tier.prefetch(u)  # reads run ahead of the worker, in its order
             self.worker.submit(lambda u=u, lr=self._lr: self._update(u, coef, lr))
@@ -494,71 +562,6 @@ class SwapEngine:
         finally:
             self.slots.release_all()
         return float(total) / sum(weights)
-
-    # ------------------------------------------------------------------ state
-    def wait_idle(self) -> None:
-        self.worker.drain()
-        self.store.wait_all_ready()
-
-    def named_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 master parameters by model name (views into the host store)."""
-        self.wait_idle()
-        return self.store.named_master()
-
-    def state_files(self):
-        """(stem, tensors) per unit for checkpoint.save_checkpoint: weights, optimizer."""
-        self.wait_idle()
-        for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
-            # One consistent snapshot per unit: peers may merge into master between steps,
-            # under this lock, so copy weights and state while holding it (one unit of RAM).
-            with self.store.paged_in(u, dirty=False), buf.lock:
-                master = self.store.read_master(u)
-                states = {key: opt.state_flat(key) for key in STATE_KEYS}
-            tensors = dict(buf.spec.owned_views(master))
-            for key, flat in states.items():
-                if flat is not None:
-                    for name, view in buf.spec.owned_views(flat).items():
-                        tensors[f"optim.{key}.{name}"] = view
-            yield f"unit_{buf.spec.index:03d}", tensors
-
-    def optimizer_steps(self) -> int:
-        """Updates applied so far. Waits for the host worker: right after train_step the
-        last step's updates may still be queued (a checkpoint's meta read the count before
-        its tensors and resumed with Adam's bias correction one step behind)."""
-        self.wait_idle()
-        return self.optimizers[0].steps
-
-    def run_state(self) -> dict:
-        """A checkpoint's small state: the fp16 loss scale, and what swap.update=eager
-        carries between steps (the last norm and the clip coefficient it set: without
-        them a resumed eager run clips its first step unlike the unbroken run)."""
-        self.wait_idle()
-        return {"loss_scale": self.scaler.scale if self.scaler else None,
-                "clip": self.eager_clip.state()}  # fmt: skip
-
-    def load_run_state(self, state: dict) -> None:
-        """Raises ValueError/TypeError for values that are not numbers (a damaged meta)."""
-        clip, scale = state.get("clip") or {}, state.get("loss_scale")
-        if clip:
-            self.eager_clip.load(clip)
-        if scale and self.scaler is not None:
-            self.scaler.scale = float(scale)
-
-    def load_state(self, get: Callable[[str], torch.Tensor], has_optim: bool, steps: int) -> None:
-        """Copy weights (and optimizer state) from a checkpoint, by model name."""
-        self.wait_idle()
-        for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
-            with self.store.paged_in(u, fresh=True), buf.lock:
-                self.store.load_master(u, get)
-                if has_optim:
-                    for key in STATE_KEYS:
-                        flat = gather_owned(buf.spec, get, f"optim.{key}.")
-                        opt.load_state_flat(key, flat, steps)
-                self.store.refresh_compute(u)
-
-    def shared_units(self) -> list[SharedUnit]:
-        """Every unit's weights, for peers to average (under the units' locks)."""
-        return [self.store.shared_unit(i) for i in range(len(self.units))]
 
     @property
     def device(self) -> torch.device:

@@ -37,7 +37,7 @@ from atom.swap.units import UnitSpec
 def gather_owned(spec: UnitSpec, get, prefix: str = "") -> torch.Tensor:
     """A unit's owned tensors from a checkpoint (`get(prefix + name)`), flat fp32 in the
     unit's order."""
-    flat = torch.empty(spec.n_owned)
+    flat = torch.zeros(spec.n_owned)  # the padding between parameters stays zero
     for name, view in spec.owned_views(flat).items():
         view.copy_(get(prefix + name))
     return flat
@@ -114,7 +114,7 @@ class HostStore:
 
     def init_weights(self, cfg: ModelConfig, seed: int) -> None:
         for i, buf in enumerate(self.buffers):
-            values = torch.empty(buf.spec.n_owned)
+            values = torch.zeros(buf.spec.n_owned)  # zero padding (units.py)
             for name, view in buf.spec.owned_views(values).items():
                 init_parameter(name, view, cfg, seed)
             with self.paged_in(i, fresh=True):

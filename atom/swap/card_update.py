@@ -1,0 +1,264 @@
+"""The update on the card: a unit's optimizer step run on the device, its gradient never
+crossing the bus (`swap.card_update`).
+
+The unit's optimizer state stays where the host update keeps it, in host memory, so
+checkpoints, `atom export`, peers' merges and the LR schedule see it where they always
+did. For the update it crosses the bus a chunk at a time, the next chunk's copy issued
+before this chunk's update runs (double-buffered):
+
+    H2D (copy stream)   the chunk's state: fp32 master + both moments (fp32 state); the
+                        bf16 master, its 16-bit remainder, the moments' codes and block
+                        scales (compact state)
+    compute stream      the chunk's AdamW (atom/optim/chunk_update.py), with the gradient
+                        summed on the device
+    D2H (staging pool)  the new state, and the new compute copy of the weights where it is
+                        not the master itself; the host worker lands each piece in place
+
+Bytes over the bus a parameter, each way: 12 in fp32 state (+ the compute copy down),
+about 4 in compact state (+2 for the bf16 master's copy up where the slot cannot supply
+it), against the host update's gradient down and nothing up.
+
+The unit's lock is held from the first read of its state until the last piece has
+landed (a peer's merge in between would be overwritten, lost), and its `ready` event is
+clear meanwhile (its next load waits for the new weights). Both are given back by the
+last landing's cleanup, which the host worker runs whatever happens to the landings
+(landed, failed, skipped after another job failed); before that is queued, a failure
+gives them back here. A threading.Lock may be released by another thread than the one
+that took it.
+
+Units whose weights are tied to another unit's (GPT's tied embedding and head) keep their
+update on the host: the tied gradient is folded across units there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from atom.optim.chunk_update import compact_chunk, compact_scalars, fp32_chunk
+from atom.optim.compact import BLOCK, CHUNK, padded
+from atom.swap.backend import Backend
+from atom.swap.host_store import HostStore
+from atom.swap.host_worker import HostWorker
+from atom.swap.slots import MemoryLedger
+from atom.swap.units import UnitSpec
+
+log = logging.getLogger(__name__)
+
+# elements of a unit updated per chunk on the device: large enough that a chunk's dozen
+# kernels and copies are not launch-bound, small enough that two chunks' state is a few
+# hundred MiB at most (fp32 state: 12 bytes an element)
+DEVICE_CHUNK = 8 * CHUNK
+
+
+def eligible(units: list[UnitSpec], index: int) -> bool:
+    """A unit whose update can run on the card: it holds no tied copy of another unit's
+    weights, and no other unit holds one of its own."""
+    if units[index].aliases:
+        return False
+    return not any(e.alias_of[0] == index for u in units for e in u.aliases)
+
+
+def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
+    """`swap.card_update` as unit indices: "none", "all" (every eligible unit), or a list
+    such as "1-4,7". Raises ValueError naming the problem (a unit out of range, or one
+    tied to another)."""
+    spec = spec.strip()
+    if spec in ("", "none"):
+        return set()
+    if spec == "all":
+        return {i for i in range(len(units)) if eligible(units, i)}
+    chosen: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(
+                f"swap.card_update: {part.strip()!r} is not a unit index or range "
+                "(write none, all, or indices such as 1-4,7)"
+            ) from None
+        chosen.update(range(first, last + 1))
+    bad = sorted(i for i in chosen if not 0 <= i < len(units))
+    if bad:
+        raise ValueError(
+            f"swap.card_update: unit {bad[0]} does not exist (this model has units "
+            f"0-{len(units) - 1})"
+        )
+    tied = sorted(i for i in chosen if not eligible(units, i))
+    if tied:
+        raise ValueError(
+            f"swap.card_update: unit {tied[0]} shares tied weights with another unit, and "
+            "its update stays on the host (leave it out, or write all)"
+        )
+    return chosen
+
+
+class CardUpdate:
+    """Runs unit updates on the device over state kept in the host store and the unit
+    optimizers (TorchUnitOptimizer for fp32 state, CompactAdamW for compact)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        store: HostStore,
+        optimizers: list,
+        worker: HostWorker,
+        ledger: MemoryLedger,
+        chunk: int = DEVICE_CHUNK,
+    ):
+        assert chunk % BLOCK == 0
+        self.backend, self.store, self.optimizers = backend, store, optimizers
+        self.worker, self.ledger, self.chunk = worker, ledger, chunk
+        self.updates = 0
+        self.bytes_up = self.bytes_down = 0  # state over the bus (benchmarks, tests)
+
+    def run(self, u: int, grad: torch.Tensor, coef: float, lr: float) -> None:
+        """Update unit `u` on the device from its summed fp32 gradient `grad` (flat, on the
+        device, in the unit's layout), clipped by `coef`. Returns once every copy and
+        kernel is issued; the unit is `ready` again when its last piece has landed."""
+        buf = self.store.buffers[u]
+        buf.lock.acquire()
+        buf.ready.clear()
+        handed_over = False
+
+        def give_back() -> None:
+            buf.ready.set()
+            buf.lock.release()
+
+        try:
+            if self.store.compact:
+                self._compact(u, grad, coef, lr)
+            else:
+                self._fp32(u, grad, coef, lr)
+            handed_over = True
+            self.worker.submit(lambda: None, cleanup=give_back)
+        except BaseException:
+            if not handed_over:
+                give_back()
+            raise
+        self.updates += 1
+
+    # ------------------------------------------------------------------ state formats
+    def _fp32(self, u: int, grad: torch.Tensor, coef: float, lr: float) -> None:
+        buf = self.store.buffers[u]
+        step, groups = self.optimizers[u].begin_card_step()
+        itemsize = buf.master.element_size()
+        pieces = []
+        for p, m, v, wd, betas in groups:
+            base = (p.data_ptr() - buf.master.data_ptr()) // itemsize
+            for start in range(0, p.numel(), self.chunk):
+                end = min(p.numel(), start + self.chunk)
+                pieces.append((base, start, end, p, m, v, wd, betas))
+
+        def host_of(piece) -> list[torch.Tensor]:
+            _, start, end, p, m, v, *_ = piece
+            return [p[start:end], m[start:end], v[start:end]]
+
+        def update(piece, dev: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            base, start, end, _, _, _, wd, betas = piece
+            g = grad[base + start : base + end]
+            if coef != 1.0:  # as the host update clips: the fp32 gradient times coef
+                g = g * coef
+            master, m, v = dev
+            fp32_chunk(master, g, m, v, step, lr, betas, wd, end - start if wd else 0)
+            return list(zip(dev, host_of(piece), strict=True)) + self._compute_copy(
+                buf, master, base + start, base + end
+            )
+
+        self._stream(pieces, host_of, update)
+
+    def _compact(self, u: int, grad: torch.Tensor, coef: float, lr: float) -> None:
+        buf, opt = self.store.buffers[u], self.optimizers[u]
+        cfg = opt.cfg
+        opt.steps += 1
+        betas = (cfg.beta1, cfg.beta2)
+        scalars = compact_scalars(coef, lr, opt.steps, betas, cfg.weight_decay)
+        pieces = [(s, min(opt.n, s + self.chunk)) for s in range(0, opt.n, self.chunk)]
+
+        def host_of(piece) -> list[torch.Tensor]:
+            start, end = piece
+            span = padded(end - start)
+            blocks = slice(start // BLOCK, (start + span) // BLOCK)
+            return [
+                buf.master[start:end], buf.rem[start:end],
+                opt.m_codes[start : start + span], opt.m_scales[blocks],
+                opt.s_codes[start : start + span], opt.s_scales[blocks],
+            ]  # fmt: skip
+
+        def update(piece, dev: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            start, end = piece
+            n, span = end - start, padded(end - start)
+            master, rem, *codes = dev
+            # whole blocks: the tail pads with a zero gradient (its moments stay zero)
+            g = torch.zeros(span, device=grad.device)
+            g[:n] = grad[start:end]
+            w = torch.zeros(span, dtype=master.dtype, device=master.device)
+            r = torch.zeros(span, dtype=rem.dtype, device=rem.device)
+            w[:n], r[:n] = master, rem
+            decayed = max(0, min(n, opt.n_decay - start))
+            compact_chunk(g, w, r, *codes, scalars, betas, decayed if cfg.weight_decay else 0)
+            out = [w[:n], r[:n], *codes]
+            return list(zip(out, host_of(piece), strict=True)) + self._compute_copy(
+                buf, w[:n], start, end
+            )
+
+        self._stream(pieces, host_of, update)
+
+    def _compute_copy(self, buf, weights: torch.Tensor, start: int, end: int) -> list:
+        """The new weights into the unit's compute copy on the host, where that is a buffer
+        of its own (a bf16 copy of an fp32 master, say): (device tensor, host view)."""
+        if buf.compute_is_master:
+            return []
+        dst = buf.compute[start:end]
+        return [(weights.to(dst.dtype), dst)]
+
+    # ------------------------------------------------------------------ the stream
+    def _stream(
+        self,
+        pieces: list,
+        host_of: Callable[[object], list[torch.Tensor]],
+        update: Callable[[object, list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> None:
+        """Each piece's host tensors to the device, `update` on them there, and what it
+        returns (device tensor, host destination) back, the next piece's copy in flight
+        while this one updates."""
+        if not pieces:
+            return
+        pending = self._issue_h2d(host_of(pieces[0]))
+        for k, piece in enumerate(pieces):
+            current = pending
+            if k + 1 < len(pieces):
+                pending = self._issue_h2d(host_of(pieces[k + 1]))
+            dev, transfers = current
+            for t in transfers:
+                self.backend.wait_compute(t)
+            for src, dst in update(piece, dev):
+                self._land(src, dst)
+            self.ledger.sub(sum(d.nbytes for d in dev))
+
+    def _issue_h2d(self, host: list[torch.Tensor]):
+        after = self.backend.record()  # the device memory's earlier users are done first
+        dev = [self.backend.alloc_device(h.numel(), h.dtype) for h in host]
+        self.ledger.add(sum(d.nbytes for d in dev))
+        self.bytes_up += sum(h.nbytes for h in host)
+        return dev, [self.backend.h2d(d, h, after, []) for d, h in zip(dev, host, strict=True)]
+
+    def _land(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy device `src` back into host `dst` (a view of the unit's state) on the
+        host worker, piece by piece as the D2H staging chunks land."""
+        self.bytes_down += src.nbytes
+        transfer = self.backend.d2h(src, abort=self.worker.check)
+
+        def land() -> None:
+            for offset, host in self.backend.host_pieces(transfer):
+                dst[offset : offset + host.numel()].copy_(host)
+            self.backend.release_host(transfer)
+
+        try:
+            self.worker.submit(land, cleanup=lambda: self.backend.release_host(transfer))
+        except BaseException:
+            self.backend.release_host(transfer)
+            raise

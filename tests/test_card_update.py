@@ -1,0 +1,194 @@
+"""The update on the card (swap.card_update, atom/swap/card_update.py) against the update
+on the host, on the CPU backend.
+
+    pytest tests/test_card_update.py
+
+fp32 state: the card update runs the host's fused AdamW kernel on streamed chunks of the
+same state, so the two trainings agree bit for bit (losses, every weight, both moments),
+for each clipping choice, order, accumulation and resident units; and equal plain
+PyTorch as the host update does. Compact state: close to the host update (the host lands
+a bf16 gradient, the card keeps it in fp32), and it trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.config import ConfigError
+from atom.optim import lr_at
+from atom.resident import ResidentEngine
+from atom.swap.backend import CpuBackend
+from atom.swap.engine import SwapEngine
+from tests.conftest import tiny_config
+from tests.test_swap_equivalence import batches_for, rel_err
+
+STEPS = 4
+
+
+def _config(card: str, clip: float, update: str, order: str, accum: int, resident: int, **kw):
+    return tiny_config(
+        model={"tie_embeddings": False, **kw.pop("model", {})},
+        train={"grad_clip": clip, "grad_accum": accum, "lr": 3e-3, **kw.pop("train", {})},
+        swap={"card_update": card, "update": update, "order": order,
+              "resident_units": resident, **kw.pop("swap", {})},
+    )  # fmt: skip
+
+
+def _train(cfg, backend=None, steps: int = STEPS):
+    engine = SwapEngine(cfg, backend or CpuBackend(), torch.float32)
+    try:
+        losses = [
+            engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss for s in range(steps)
+        ]
+        return losses, dict(engine.state_files()), engine.card.updates, engine.optimizer_steps()
+    finally:
+        engine.close()
+
+
+def _flat(files: dict) -> dict[str, torch.Tensor]:
+    return {f"{stem}/{k}": v.clone() for stem, tensors in files.items() for k, v in tensors.items()}
+
+
+# (grad_clip, swap.update, order, grad_accum, resident_units): no clipping (updates as each
+# unit's backward ends), exact clipping (updates after the norm), eager (previous norm);
+# unit- and micro-batch-major; accumulation 1 and 4; weights kept all step or streamed.
+# A clip of 0.05 clips every step of this model, so the coefficient is exercised.
+CASES = [
+    (0.0, "exact", "unit", 1, 0),
+    (0.0, "exact", "unit", 4, 1),
+    (0.0, "exact", "micro", 4, 0),
+    (0.05, "exact", "unit", 1, 1),
+    (0.05, "exact", "unit", 4, 0),
+    (0.05, "exact", "micro", 4, 1),
+    (0.05, "eager", "unit", 1, 0),
+    (0.05, "eager", "unit", 4, 1),
+    (0.05, "eager", "micro", 4, 0),
+]
+
+
+@pytest.mark.parametrize("clip,update,order,accum,resident", CASES)
+def test_card_update_equals_host_update_bit_for_bit(clip, update, order, accum, resident):
+    host = _train(_config("none", clip, update, order, accum, resident))
+    card = _train(_config("all", clip, update, order, accum, resident))
+    assert card[2] == STEPS * 5  # every unit (embedding, 3 blocks, head) every step
+    assert host[2] == 0
+    assert card[0] == host[0]
+    assert card[3] == host[3] == STEPS
+    want, got = _flat(host[1]), _flat(card[1])
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_some_units_on_the_card_the_rest_on_the_host_bit_for_bit():
+    host = _train(_config("none", 0.05, "exact", "unit", 2, 0))
+    mixed = _train(_config("1,3-4", 0.05, "exact", "unit", 2, 0))
+    assert mixed[2] == STEPS * 3
+    assert mixed[0] == host[0]
+    for name, tensor in _flat(host[1]).items():
+        assert torch.equal(_flat(mixed[1])[name], tensor), name
+
+
+def test_card_update_with_a_copy_thread_and_host_worker_thread_bit_for_bit():
+    """The CUDA backend's concurrency on the CPU: copies on a thread of their own, landings
+    on the host worker thread, the unit's lock released by that thread."""
+    cfg = _config("all", 0.05, "exact", "unit", 2, 0)
+    host = _train(_config("none", 0.05, "exact", "unit", 2, 0))
+    card = _train(cfg, CpuBackend(helper_threads=True))
+    assert card[0] == host[0]
+    for name, tensor in _flat(host[1]).items():
+        assert torch.equal(_flat(card[1])[name], tensor), name
+
+
+def test_card_update_equals_plain_pytorch():
+    """As tests/test_swap_equivalence.py holds the host update to plain PyTorch (at its
+    learning rate: Adam turns 1-ulp gradient differences into larger weight ones)."""
+    cfg = _config("all", 1.0, "exact", "unit", 2, 0, train={"lr": 6e-4})
+    resident = ResidentEngine(cfg, torch.device("cpu"), torch.float32)
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        for s in range(STEPS):
+            batches, lr = batches_for(s, cfg), lr_at(s, cfg.train)
+            a, b = engine.train_step(batches, lr).loss, resident.train_step(batches, lr).loss
+            assert abs(a - b) <= 1e-5 * abs(b)
+        swapped, ref = engine.named_parameters(), resident.named_parameters()
+        for name, p in ref.items():
+            assert rel_err(swapped[name], p) < 1e-5, name
+    finally:
+        engine.close()
+
+
+def test_small_device_chunks_stream_a_unit_in_many_pieces():
+    """A unit crosses in many chunks (the next one's copy issued before this one's
+    update), a chunk cut by the decay boundary: the same bits as one chunk per unit."""
+    cfg = _config("all", 0.0, "exact", "unit", 1, 0)
+    whole = _train(cfg)
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    engine.card.chunk = 256 * 13  # the blocks' units have ~50k parameters: ~15 chunks
+    try:
+        losses = [engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
+                  for s in range(STEPS)]  # fmt: skip
+        files = _flat(dict(engine.state_files()))
+    finally:
+        engine.close()
+    assert losses == whole[0]
+    for name, tensor in _flat(whole[1]).items():
+        assert torch.equal(files[name], tensor), name
+
+
+def test_compact_state_on_the_card_follows_the_host_update():
+    """Compact state: the card keeps the summed gradient in fp32 where the host lands it in
+    bf16, and rounds its moments' fp32 sums in another order: close, not equal."""
+    kw = {"swap": {"state": "compact", "compile_update": False}, "train": {"max_steps": 30}}
+    host = _train(_config("none", 0.0, "exact", "unit", 2, 0, **kw), steps=12)
+    card = _train(_config("all", 0.0, "exact", "unit", 2, 0, **kw), steps=12)
+    assert card[2] == 12 * 5
+    assert card[0][-1] < card[0][0] - 0.4  # it trains
+    for a, b in zip(card[0], host[0], strict=True):
+        assert abs(a - b) < 0.01 * b, (card[0], host[0])
+
+
+def test_card_update_with_an_fp32_compute_copy_of_compact_state_writes_it_back():
+    """Compact state with an fp32 compute dtype: the compute copy is a buffer of its own,
+    and the card update writes the new weights there too (the next step trains on them)."""
+    cfg = _config("all", 0.0, "exact", "unit", 1, 0, swap={"state": "compact"})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        for s in range(3):
+            engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train))
+        engine.wait_idle()
+        for buf in engine.store.buffers:
+            assert not buf.compute_is_master
+            assert torch.equal(buf.compute[: buf.spec.n_owned], buf.master.float())
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("9", "unit 9 does not exist"),
+        ("1-x", "not a unit index"),
+    ],
+)
+def test_bad_unit_lists_are_refused_in_one_line(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        SwapEngine(_config(spec, 0.0, "exact", "unit", 1, 0), CpuBackend(), torch.float32)
+
+
+def test_tied_units_stay_on_the_host():
+    """GPT's tied embedding and head: `all` leaves them to the host; naming one refuses."""
+    cfg = tiny_config(swap={"card_update": "all"})
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        assert engine.card_units == {1, 2, 3}
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match="unit 0 shares tied weights"):
+        SwapEngine(tiny_config(swap={"card_update": "0-2"}), CpuBackend(), torch.float32)
+
+
+def test_card_update_and_the_nvme_tier_are_refused_together(tmp_path):
+    with pytest.raises(ConfigError, match="NVMe tier"):
+        tiny_config(swap={"card_update": "all", "disk_dir": str(tmp_path)})
