@@ -192,3 +192,97 @@ def test_tied_units_stay_on_the_host():
 def test_card_update_and_the_nvme_tier_are_refused_together(tmp_path):
     with pytest.raises(ConfigError, match="NVMe tier"):
         tiny_config(swap={"card_update": "all", "disk_dir": str(tmp_path)})
+
+
+# ---------------------------------------------------------------------- kept on the card
+
+
+def test_resident_units_updated_on_the_card_stay_on_the_device_across_steps():
+    """Resident + card-updated: loaded by the first step only (later steps move only the
+    streamed units' weights), and training is still bit-equal to the host update."""
+    cfg = _config("all", 0.0, "exact", "unit", 2, 3)
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    host = _train(_config("none", 0.0, "exact", "unit", 2, 3))
+    try:
+        assert engine.persistent == {1, 2, 3}
+        loaded = []
+        for s in range(STEPS):
+            before = engine.slots.bytes_loaded
+            engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train))
+            loaded.append(engine.slots.bytes_loaded - before)
+        blocks = sum(engine.store.buffers[u].compute.nbytes for u in (1, 2, 3))
+        assert loaded[0] - loaded[1] == blocks  # their only load was step 1's
+        assert len(set(loaded[1:])) == 1
+        assert set(engine.slots.resident_units()) >= {1, 2, 3}  # between steps too
+        files = _flat(dict(engine.state_files()))
+    finally:
+        engine.close()
+    for name, tensor in _flat(host[1]).items():
+        assert torch.equal(files[name], tensor), name
+
+
+def test_a_merge_into_a_unit_kept_on_the_card_reaches_the_next_step():
+    """A peer's merge lands in the host master between steps: the unit kept on the device
+    is loaded anew, so both placements train on the merged weights, bit for bit."""
+    from atom.gossip.merge import UnitParams
+
+    runs = []
+    for card in ("none", "all"):
+        cfg = _config(card, 0.0, "exact", "unit", 1, 3)
+        engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+        try:
+            losses = [engine.train_step(batches_for(0, cfg), lr_at(0, cfg.train)).loss]
+            params = UnitParams(engine.shared_units())
+            params.add(params.units[2], torch.full((engine.units[2].n_owned,), 1e-3))
+            losses += [engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
+                       for s in (1, 2)]  # fmt: skip
+            runs.append((losses, _flat(dict(engine.state_files()))))
+        finally:
+            engine.close()
+    (host_losses, host_files), (card_losses, card_files) = runs
+    assert card_losses == host_losses
+    for name, tensor in host_files.items():
+        assert torch.equal(card_files[name], tensor), name
+
+
+def test_a_checkpoint_loaded_into_an_engine_with_units_on_the_card_is_trained_on(tmp_path):
+    from atom.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = _config("all", 0.0, "exact", "unit", 1, 3)
+    a = SwapEngine(cfg, CpuBackend(), torch.float32)
+    b = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        for s in range(3):
+            a.train_step(batches_for(s, cfg), lr_at(s, cfg.train))
+        path = save_checkpoint(tmp_path, 3, a.state_files(), {"optimizer_steps": 3})
+        b.train_step(batches_for(0, cfg), lr_at(0, cfg.train))  # its own weights on the card
+        b.load_state(load_checkpoint(path).get, True, 3)
+        got = [b.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss for s in (3, 4)]
+        want = [a.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss for s in (3, 4)]
+    finally:
+        a.close()
+        b.close()
+    assert got == want
+
+
+def test_compact_state_with_bf16_weights_kept_on_the_card_equals_them_streamed():
+    """Compact state, bf16 compute: a unit kept on the device gives its update the bf16
+    master from its slot (no copy up) and takes the new weights there; streamed, the master
+    crosses from the host. The same bits either way."""
+    kw = {"swap": {"state": "compact", "compile_update": False}, "train": {"max_steps": 30}}
+    runs = []
+    for resident in (0, 3):
+        cfg = _config("all", 0.0, "exact", "unit", 1, resident, **kw)
+        engine = SwapEngine(cfg, CpuBackend(), torch.bfloat16)
+        try:
+            losses = [engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
+                      for s in range(6)]  # fmt: skip
+            runs.append((losses, _flat(dict(engine.state_files())), engine.card.bytes_up))
+        finally:
+            engine.close()
+    (streamed, s_files, s_up), (kept, k_files, k_up) = runs
+    assert kept == streamed
+    assert streamed[-1] < streamed[0]
+    for name, tensor in s_files.items():
+        assert torch.equal(k_files[name], tensor), name
+    assert k_up < s_up  # the kept units' masters did not cross

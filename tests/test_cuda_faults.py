@@ -290,7 +290,7 @@ def test_a_planted_reuse_of_a_staging_chunk_is_caught(monkeypatch):
     gradient copy overwrites them while the landing that owns them has not read them."""
     real_d2h = CudaBackend.d2h
 
-    def early_release(self, src, after, abort=None, dtype=None):
+    def early_release(self, src, after=None, abort=None, dtype=None):
         t = real_d2h(self, src, after, abort, dtype)
         with self._staging.not_empty:  # back at the front: the very next copy takes them
             for buf in t.held:

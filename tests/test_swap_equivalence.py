@@ -281,7 +281,7 @@ class _FailingD2H(CpuBackend):
         super().__init__()
         self.calls, self.fail_at = 0, fail_at
 
-    def d2h(self, t, after, abort=None, dtype=None):
+    def d2h(self, t, after=None, abort=None, dtype=None):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError("injected failure")

@@ -96,6 +96,51 @@ def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
     return chosen
 
 
+class CardGradients:
+    """Card-updated units' gradients on the device, in fp32 and the unit's flat layout (as
+    the host gradient would hold them): summed over a step's runs of visits (micro-batch-
+    major), and, with exact clipping, kept in `pending` until the global norm is known.
+    The ledger counts each from its first run to `release`."""
+
+    def __init__(self, backend: Backend, ledger: MemoryLedger, units: list[UnitSpec]):
+        self.backend, self.ledger, self.units = backend, ledger, units
+        self._acc: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def add(
+        self, u: int, p_grad: torch.Tensor | list[torch.Tensor], first: bool, last: bool
+    ) -> torch.Tensor | None:
+        """Sum one run's gradient (flat, or per parameter in unit order; the ledger held it
+        until now); at the unit's last run of the step, return the sum."""
+        unit = self.units[u]
+        grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
+        self.ledger.sub(sum(g.nbytes for g in grads))
+        acc = self._acc.pop(u, None)
+        if acc is None:  # zeros: the padding between parameters stays zero
+            acc = torch.zeros(unit.n_total, dtype=torch.float32, device=self.backend.device)
+            self.ledger.add(acc.nbytes)
+        if isinstance(p_grad, torch.Tensor):
+            views = [acc]  # already flat in the unit's layout (a run's accumulator)
+        else:
+            views = [acc[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
+        if first:  # the host landing copies the first run and adds the others: so here
+            torch._foreach_copy_(views, grads)
+        else:
+            torch._foreach_add_(views, grads)
+        if not last:
+            self._acc[u] = acc
+            return None
+        return acc
+
+    def release(self, acc: torch.Tensor) -> None:
+        self.ledger.sub(acc.nbytes)
+
+    def clear(self) -> None:
+        """An abandoned step: drop every sum (the engine resets the ledger itself)."""
+        self._acc.clear()
+        self.pending.clear()
+
+
 class CardUpdate:
     """Runs unit updates on the device over state kept in the host store and the unit
     optimizers (TorchUnitOptimizer for fp32 state, CompactAdamW for compact)."""
@@ -115,14 +160,21 @@ class CardUpdate:
         self.updates = 0
         self.bytes_up = self.bytes_down = 0  # state over the bus (benchmarks, tests)
 
-    def run(self, u: int, grad: torch.Tensor, coef: float, lr: float) -> None:
+    def run(
+        self, u: int, grad: torch.Tensor, coef: float, lr: float, slot: torch.Tensor | None = None
+    ) -> None:
         """Update unit `u` on the device from its summed fp32 gradient `grad` (flat, on the
-        device, in the unit's layout), clipped by `coef`. Returns once every copy and
-        kernel is issued; the unit is `ready` again when its last piece has landed."""
+        device, in the unit's layout), clipped by `coef`. `slot`: the unit's device copy,
+        kept across steps: the new weights are written there too, and in compact state
+        with a bf16 copy the master's upper half is read from it (no copy up). Returns
+        once every copy and kernel is issued; the unit is `ready` again when its last
+        piece has landed."""
         buf = self.store.buffers[u]
         buf.lock.acquire()
         buf.ready.clear()
         handed_over = False
+        # a peer's merge since the slot was loaded: the host master is the newer one
+        from_slot = slot is not None and not buf.changed
 
         def give_back() -> None:
             buf.ready.set()
@@ -130,9 +182,11 @@ class CardUpdate:
 
         try:
             if self.store.compact:
-                self._compact(u, grad, coef, lr)
+                self._compact(u, grad, coef, lr, slot, from_slot)
             else:
-                self._fp32(u, grad, coef, lr)
+                self._fp32(u, grad, coef, lr, slot)
+            if slot is not None:
+                buf.changed = False  # the slot holds the new weights, as the host will
             handed_over = True
             self.worker.submit(lambda: None, cleanup=give_back)
         except BaseException:
@@ -142,7 +196,7 @@ class CardUpdate:
         self.updates += 1
 
     # ------------------------------------------------------------------ state formats
-    def _fp32(self, u: int, grad: torch.Tensor, coef: float, lr: float) -> None:
+    def _fp32(self, u: int, grad: torch.Tensor, coef: float, lr: float, slot) -> None:
         buf = self.store.buffers[u]
         step, groups = self.optimizers[u].begin_card_step()
         itemsize = buf.master.element_size()
@@ -164,13 +218,17 @@ class CardUpdate:
                 g = g * coef
             master, m, v = dev
             fp32_chunk(master, g, m, v, step, lr, betas, wd, end - start if wd else 0)
+            if slot is not None:
+                slot[base + start : base + end].copy_(master)
             return list(zip(dev, host_of(piece), strict=True)) + self._compute_copy(
                 buf, master, base + start, base + end
             )
 
         self._stream(pieces, host_of, update)
 
-    def _compact(self, u: int, grad: torch.Tensor, coef: float, lr: float) -> None:
+    def _compact(
+        self, u: int, grad: torch.Tensor, coef: float, lr: float, slot, from_slot: bool
+    ) -> None:
         buf, opt = self.store.buffers[u], self.optimizers[u]
         cfg = opt.cfg
         opt.steps += 1
@@ -182,8 +240,9 @@ class CardUpdate:
             start, end = piece
             span = padded(end - start)
             blocks = slice(start // BLOCK, (start + span) // BLOCK)
+            master = [] if from_slot and slot.dtype == torch.bfloat16 else [buf.master[start:end]]
             return [
-                buf.master[start:end], buf.rem[start:end],
+                *master, buf.rem[start:end],
                 opt.m_codes[start : start + span], opt.m_scales[blocks],
                 opt.s_codes[start : start + span], opt.s_scales[blocks],
             ]  # fmt: skip
@@ -191,6 +250,8 @@ class CardUpdate:
         def update(piece, dev: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             start, end = piece
             n, span = end - start, padded(end - start)
+            if len(dev) == 5:  # the master's upper half is the bf16 slot's
+                dev = [slot[start:end], *dev]
             master, rem, *codes = dev
             # whole blocks: the tail pads with a zero gradient (its moments stay zero)
             g = torch.zeros(span, device=grad.device)
@@ -200,10 +261,11 @@ class CardUpdate:
             w[:n], r[:n] = master, rem
             decayed = max(0, min(n, opt.n_decay - start))
             compact_chunk(g, w, r, *codes, scalars, betas, decayed if cfg.weight_decay else 0)
+            if slot is not None:
+                slot[start:end].copy_(w[:n])
             out = [w[:n], r[:n], *codes]
-            return list(zip(out, host_of(piece), strict=True)) + self._compute_copy(
-                buf, w[:n], start, end
-            )
+            host = [buf.master[start:end], *host_of(piece)[-5:]]
+            return list(zip(out, host, strict=True)) + self._compute_copy(buf, w[:n], start, end)
 
         self._stream(pieces, host_of, update)
 

@@ -38,7 +38,7 @@ from atom.optim import TorchUnitOptimizer
 from atom.optim.compact import ChunkScratch, CompactAdamW
 from atom.optim.compact_kernel import CompiledChunkUpdate
 from atom.swap.backend import Backend
-from atom.swap.card_update import CardUpdate, parse_units
+from atom.swap.card_update import CardGradients, CardUpdate, parse_units
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.engine_state import EngineState
 from atom.swap.host_store import HostStore
@@ -100,10 +100,14 @@ class SwapEngine(EngineState):
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)
-        # units kept on the device for a whole step: the block units nearest the head
+        # units kept on the device for a whole step, each in a slot of its own: the block
+        # units nearest the head; those updated on the card stay across steps too (their
+        # update writes the new weights into the slot), `persistent`
         n_res = cfg.swap.resident_units
         self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
-        self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1 + n_res, largest, compute_dtype)
+        self.persistent = frozenset(self.resident_units & self.card_units)
+        own = {u: self.units[u].n_total for u in self.resident_units}
+        self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype, own)
         self.ledger = MemoryLedger(self.slots.nbytes)
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self.timing = resolve_timing(cfg.swap.update, cfg.train.grad_clip, self.scaler is not None)
@@ -119,10 +123,7 @@ class SwapEngine(EngineState):
         self._plans: dict[tuple, StepPlan] = {}
         self.landing = GradientLanding.of(backend, self.store)
         self.card = CardUpdate(backend, self.store, self.optimizers, self.worker, self.ledger)
-        # card-updated units' fp32 gradients on the device: summed over a step's runs of
-        # visits (micro-batch-major), and kept until the global norm is known (exact)
-        self._card_acc: dict[int, torch.Tensor] = {}
-        self._card_pending: dict[int, torch.Tensor] = {}
+        self.card_grads = CardGradients(backend, self.ledger, self.units)
         self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
@@ -182,6 +183,16 @@ class SwapEngine(EngineState):
         for buf in self.store.buffers:
             buf.ready.set()
 
+    def _reload_changed(self) -> None:
+        """A unit kept on the device whose weights changed on the host since it was loaded
+        (a peer's merge, a checkpoint loaded) leaves its slot, so the step loads it anew."""
+        for u in self.persistent:
+            buf = self.store.buffers[u]
+            if buf.changed and self.slots.has(u):
+                with buf.lock:
+                    self.slots.release(u)
+                    buf.changed = False
+
     def _load(self, unit: int) -> None:
         """Start copying a unit to the device once its compute buffer is final: the unit and
         the owners of its aliases are updated (ready), and no one is writing them (locks)."""
@@ -233,6 +244,7 @@ class SwapEngine(EngineState):
             self._norm_sq = [0.0] * N
         st = StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
+        self._reload_changed()
         try:
             self._advance(plan, -1, None)
             for pos, v in enumerate(plan.visits):
@@ -260,7 +272,7 @@ class SwapEngine(EngineState):
                     )
                     self._accumulate(u, grads, plan.runs[pos], st)
                 self._advance(plan, pos, u)
-            self.slots.release_all()
+            self.slots.release_all(keep=self.persistent)
         except BaseException:
             self._abandon_step(ledger_at_start, st)
             self.committed = False
@@ -295,8 +307,7 @@ class SwapEngine(EngineState):
                     if u > 0:  # unit inputs past the embedding were offloaded
                         self.backend.reclaim(x)
             st.saved.clear()
-            self._card_acc.clear()  # the ledger goes back to the step's start below
-            self._card_pending.clear()
+            self.card_grads.clear()  # the ledger goes back to the step's start below
             try:
                 self.worker.drain()
             except RuntimeError:
@@ -430,9 +441,7 @@ class SwapEngine(EngineState):
 
         # abort: if the worker failed, the staging chunks it held are coming back, and
         # its error is what the training thread should raise, at once
-        transfer = self.backend.d2h(
-            p_grad, abort=self.worker.check, dtype=cross
-        )
+        transfer = self.backend.d2h(p_grad, abort=self.worker.check, dtype=cross)
         # the staging chunks go back in every case: landed, failed, skipped after an
         # earlier job failed, or never queued (release_host is idempotent; land hands
         # them back as it goes): a lost chunk would, some steps on, be a hang
@@ -449,30 +458,15 @@ class SwapEngine(EngineState):
         layout (as the host gradient would hold it), then updated there as the timing says:
         at once (no clipping), clipped by the previous step's norm (eager), or kept until
         the step's norm is known (exact: `_finish_step`)."""
-        unit = self.units[u]
-        grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
-        self.ledger.sub(sum(g.nbytes for g in grads))
-        acc = self._card_acc.pop(u, None)
-        if acc is None:
-            acc = torch.zeros(unit.n_total, dtype=torch.float32, device=self.backend.device)
-            self.ledger.add(acc.nbytes)
-        if isinstance(p_grad, torch.Tensor):
-            views = [acc]  # already flat in the unit's layout (a run's accumulator)
-        else:
-            views = [acc[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
-        if first:  # the host landing copies the first run and adds the others: so here
-            torch._foreach_copy_(views, grads)
-        else:
-            torch._foreach_add_(views, grads)
-        if not last:
-            self._card_acc[u] = acc
+        acc = self.card_grads.add(u, p_grad, first, last)
+        if acc is None:  # more runs of this unit to come this step (micro-batch-major)
             return
         if self.scaler:
             acc.mul_(1.0 / self.scaler.scale)
         if self.timing != IMMEDIATE:
-            self._norm_sq[u] = _sq_norm(acc[: unit.n_owned])
+            self._norm_sq[u] = _sq_norm(acc[: self.units[u].n_owned])
         if self.timing == EXACT:
-            self._card_pending[u] = acc  # on the device until the norm is known
+            self.card_grads.pending[u] = acc  # on the device until the norm is known
             return
         self.committed = True  # the update below changes the unit
         if self.timing == EAGER and not math.isfinite(self._norm_sq[u]):
@@ -480,8 +474,12 @@ class SwapEngine(EngineState):
             log.warning("non-finite gradient in unit %d: its update is skipped", u)
         else:
             coef = self.eager_clip.coef if self.timing == EAGER else 1.0
-            self.card.run(u, acc, coef, self._lr)
-        self.ledger.sub(acc.nbytes)
+            self.card.run(u, acc, coef, self._lr, self._slot_of(u))
+        self.card_grads.release(acc)
+
+    def _slot_of(self, u: int) -> torch.Tensor | None:
+        """A unit's device copy, kept across steps, that its card update writes into."""
+        return self.slots.flat_of(u) if u in self.persistent and self.slots.has(u) else None
 
     def _update(self, u: int, coef: float, lr: float) -> None:
         buf = self.store.buffers[u]
@@ -507,11 +505,12 @@ class SwapEngine(EngineState):
         overflow = not math.isfinite(total)
         if self.scaler is not None:
             self.scaler.update(overflow)
-        pending, self._card_pending = self._card_pending, {}
+        pending, self.card_grads.pending = self.card_grads.pending, {}
         if overflow:
             log.warning("non-finite gradient norm: step skipped")
             self._unblock_all()
-            self.ledger.sub(sum(g.nbytes for g in pending.values()))
+            for grad in pending.values():
+                self.card_grads.release(grad)
             return StepResult(loss=loss, grad_norm=total, skipped=True)
         clip = self.cfg.train.grad_clip
         coef = min(1.0, clip / (total + 1e-6)) if clip > 0 else 1.0
@@ -519,8 +518,8 @@ class SwapEngine(EngineState):
         for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
             if u in pending:
                 grad = pending.pop(u)
-                self.card.run(u, grad, coef, self._lr)
-                self.ledger.sub(grad.nbytes)
+                self.card.run(u, grad, coef, self._lr, self._slot_of(u))
+                self.card_grads.release(grad)
                 continue
             if self.tier is not None:
                 self.tier.prefetch(u)  # reads run ahead of the worker, in its order
@@ -544,6 +543,7 @@ class SwapEngine(EngineState):
         plan = self._plans[key]
         total = torch.zeros((), device=self.backend.device)
         h, targets, docs = {}, {}, {}  # micro -> hidden state, targets, Documents or None
+        self._reload_changed()
         self._advance(plan, -1, None)
         try:
             for pos, v in enumerate(plan.visits):
@@ -560,7 +560,7 @@ class SwapEngine(EngineState):
                     total += loss.float() * weights[b]
                 self._advance(plan, pos, u)
         finally:
-            self.slots.release_all()
+            self.slots.release_all(keep=self.persistent)
         return float(total) / sum(weights)
 
     @property

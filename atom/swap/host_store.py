@@ -52,6 +52,9 @@ class UnitBuffers:
     rem: torch.Tensor | None = None
     ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # master written on the host (a peer's merge, a checkpoint) since the engine last
+    # made a device copy of the unit that it keeps across steps agree with it
+    changed: bool = False
 
     @property
     def compute_is_master(self) -> bool:
@@ -138,6 +141,7 @@ class HostStore:
             split_into(values.float().contiguous(), buf.master, buf.rem)
         else:
             buf.master.copy_(values)
+        buf.changed = True
 
     def load_master(self, index: int, get) -> None:
         """Set the unit's weights from `get(name)` (a checkpoint's fp32 tensors), one
@@ -146,6 +150,7 @@ class HostStore:
         if not self.compact:
             for name, view in buf.spec.owned_views(buf.master).items():
                 view.copy_(get(name))
+            buf.changed = True
             return
         self.write_master(index, gather_owned(buf.spec, get))
 
@@ -154,6 +159,7 @@ class HostStore:
             self.write_master(index, self.read_master(index).add_(delta))
         else:
             self.buffers[index].master.add_(delta)
+            self.buffers[index].changed = True
 
     def refresh_compute(self, index: int) -> None:
         """Copy a unit's master into its compute buffer, and into every alias of it."""

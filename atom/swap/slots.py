@@ -5,6 +5,11 @@ The pool size is the resident bound: nothing else of the parameters is ever on t
 device. Each slot moves through free -> loading -> resident -> free; transitions are
 asserted, and `max_resident` records the most slots ever holding a unit, so tests can
 check the bound held rather than trust it.
+
+Shared slots (prefetch + 1 of them) are each as large as the largest unit and take any
+unit; a unit kept on the device (`swap.resident_units`) has a slot of its own, sized to it:
+a 24 GB card holds Llama 3.1 8B's 32 blocks that way, where slots of its embedding's size
+(a 128k vocabulary: 2.4x a block) would not.
 """
 
 from __future__ import annotations
@@ -28,15 +33,29 @@ class Slot:
     unit: int | None = None
     transfer: Transfer | None = None
     last_use: object | None = None  # compute marker after the last kernel that read it
+    owner: int | None = None  # the unit a dedicated slot is for (None: shared)
 
 
 class DeviceSlots:
-    def __init__(self, backend: Backend, n_slots: int, numel: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        backend: Backend,
+        n_slots: int,
+        numel: int,
+        dtype: torch.dtype,
+        dedicated: dict[int, int] | None = None,
+    ):
+        """`n_slots` shared slots of `numel` elements; `dedicated`: unit -> its own slot's
+        elements."""
         if n_slots < 1:
             raise ValueError("need at least one device slot")
         self.backend = backend
         self.slots = [Slot(i, backend.alloc_device(numel, dtype)) for i in range(n_slots)]
-        self.slot_bytes = numel * torch.empty(0, dtype=dtype).element_size()
+        for unit, n in sorted((dedicated or {}).items()):
+            self.slots.append(Slot(len(self.slots), backend.alloc_device(n, dtype), owner=unit))
+        self._own = {s.owner: s for s in self.slots if s.owner is not None}
+        item = torch.empty(0, dtype=dtype).element_size()
+        self._bytes = sum(s.flat.numel() for s in self.slots) * item
         self._where: dict[int, Slot] = {}
         self.max_resident = 0
         self.loads = 0
@@ -48,7 +67,7 @@ class DeviceSlots:
 
     @property
     def nbytes(self) -> int:
-        return self.slot_bytes * len(self.slots)
+        return self._bytes
 
     def resident_units(self) -> list[int]:
         return sorted(self._where)
@@ -65,8 +84,12 @@ class DeviceSlots:
     def load(self, unit: int, src: torch.Tensor, host_ready, locks=()) -> Slot:
         """Start copying a unit's compute buffer into a free slot (asynchronous)."""
         assert unit not in self._where, f"unit {unit} is already on the device"
-        slot = next((s for s in self.slots if s.state == FREE), None)
-        assert slot is not None, "no free device slot: the schedule broke the resident bound"
+        slot = self._own.get(unit) or next(
+            (s for s in self.slots if s.state == FREE and s.owner is None), None
+        )
+        assert slot is not None and slot.state == FREE, (
+            "no free device slot: the schedule broke the resident bound"
+        )
         slot.state, slot.unit = LOADING, unit
         slot.transfer = self.backend.h2d(
             slot.flat[: src.numel()], src, slot.last_use, host_ready, locks
@@ -98,9 +121,12 @@ class DeviceSlots:
         slot.last_use = self.backend.record()
         slot.state, slot.unit, slot.transfer = FREE, None, None
 
-    def release_all(self) -> None:
+    def release_all(self, keep: set[int] | frozenset[int] = frozenset()) -> None:
+        """Free every slot but those of the units in `keep` (kept on the device across
+        steps)."""
         for unit in list(self._where):
-            self.release(unit)
+            if unit not in keep:
+                self.release(unit)
 
     def close(self) -> None:
         """Drop the device buffers (an engine's close): nothing can be loaded after."""
