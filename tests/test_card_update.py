@@ -125,7 +125,7 @@ def test_small_device_chunks_stream_a_unit_in_many_pieces():
     cfg = _config("all", 0.0, "exact", "unit", 1, 0)
     whole = _train(cfg)
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
-    engine.card.chunk = 256 * 13  # the blocks' units have ~50k parameters: ~15 chunks
+    engine.card.chunk_limit = 256 * 13  # the blocks' units have ~50k parameters: ~15 chunks
     try:
         losses = [engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
                   for s in range(STEPS)]  # fmt: skip
@@ -286,3 +286,121 @@ def test_compact_state_with_bf16_weights_kept_on_the_card_equals_them_streamed()
     for name, tensor in s_files.items():
         assert torch.equal(k_files[name], tensor), name
     assert k_up < s_up  # the kept units' masters did not cross
+
+
+# ---------------------------------------------------------------------- CUDA ordering
+# The CUDA backend over the fake torch.cuda (tests/fake_cuda.py): every stream op's order
+# is checked as a GPU would be free to reorder it.
+
+CUDA_CASES = {
+    "fp32, exact clipping, streamed": ("fp32", 1.0, "exact", 0, torch.float32),
+    "fp32, no clipping, kept on the card": ("fp32", 0.0, "exact", 3, torch.float32),
+    "compact bf16, eager, kept on the card": ("compact", 1.0, "eager", 3, torch.bfloat16),
+}
+
+
+def _cuda_config(state: str, clip: float, update: str, resident: int):
+    return tiny_config(
+        model={"arch": "llama", "n_kv_head": 2, "tie_embeddings": False},
+        train={"grad_accum": 2, "grad_clip": clip, "max_steps": 30},
+        swap={"card_update": "all", "state": state, "update": update,
+              "resident_units": resident, "compile_update": False},
+    )  # fmt: skip
+
+
+def _cuda_train(cfg, backend, dtype, sim=None, steps: int = 2):
+    engine = SwapEngine(cfg, backend, dtype)
+    try:
+        losses = []
+        for s in range(steps):
+            with sim.watch() if sim is not None else _Nothing():
+                losses.append(engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss)
+        return losses, _flat(dict(engine.state_files())), engine.card.updates
+    finally:
+        engine.close()
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("case", CUDA_CASES.values(), ids=CUDA_CASES.keys())
+def test_card_update_on_the_cuda_backend_orders_every_copy(monkeypatch, case):
+    from tests.fake_cuda import cuda_backend
+
+    state, clip, update, resident, dtype = case
+    cfg = _cuda_config(state, clip, update, resident)
+    want = _cuda_train(cfg, CpuBackend(), dtype)
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)  # a small pool: a few chunks a unit
+    got = _cuda_train(cfg, backend, dtype, sim)
+    assert sim.violations == []
+    assert got[2] == want[2] == 2 * 5
+    assert got[0] == want[0]
+    for name, tensor in want[1].items():
+        assert torch.equal(got[1][name], tensor), name
+
+
+class _NoStateWait:
+    """A backend whose compute never waits for a copy: the card update reads state the
+    copy stream may not have written yet."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def wait_compute(self, t) -> None:
+        from atom.swap import backend as backend_mod
+
+        backend_mod._wait_issued(t)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def test_an_update_that_does_not_wait_for_its_state_copy_is_caught(monkeypatch):
+    from tests.fake_cuda import cuda_backend
+
+    cfg = _cuda_config("fp32", 0.0, "exact", 0)
+    backend, sim = cuda_backend(monkeypatch, 1 << 14)
+    engine = SwapEngine(cfg, backend, torch.float32)
+    engine.card.backend = _NoStateWait(backend)
+    try:
+        with sim.watch():
+            engine.train_step(batches_for(0, cfg), 1e-3)
+    finally:
+        engine.close()
+    assert any("reads" in v or "overwrites" in v for v in sim.violations), sim.violations[:3]
+
+
+def test_a_state_chunk_reused_before_its_copy_landed_is_caught(monkeypatch):
+    """The staging chunks of the state's D2H go back to the pool at once: the next copy
+    overwrites host memory the landing has not read."""
+    from atom.swap.backend import CudaBackend
+    from tests.fake_cuda import cuda_backend
+
+    real_d2h = CudaBackend.d2h
+
+    def early_release(self, src, after=None, abort=None, dtype=None):
+        t = real_d2h(self, src, after, abort, dtype)
+        with self._staging.not_empty:
+            for buf in t.held:
+                self._staging.queue.appendleft(buf)
+            self._staging.not_empty.notify()
+        t.held = []
+        return t
+
+    monkeypatch.setattr(CudaBackend, "d2h", early_release)
+    cfg = _cuda_config("fp32", 0.0, "exact", 0)
+    backend, sim = cuda_backend(monkeypatch, 1 << 16)
+    sim.copy_delay_s = 0.2  # the landing sleeps in its wait while the next copy is issued
+    engine = SwapEngine(cfg, backend, torch.float32)
+    try:
+        with sim.watch():
+            engine.train_step(batches_for(0, cfg), 1e-3)
+            engine.wait_idle()
+    finally:
+        engine.close()
+    assert any("on the host reads" in v for v in sim.violations), sim.violations[:3]

@@ -37,7 +37,9 @@ def fp32_chunk(
     for where, wd in parts:
         if where.stop <= where.start:
             continue
-        steps = [torch.tensor(float(step), device=master.device)]
+        # a fill on the device, not a copy of a host scalar (whose host memory could go
+        # before an asynchronous copy read it)
+        steps = [torch.full((), float(step), device=master.device)]
         torch._fused_adamw_(
             [master[where]], [grad[where]], [exp_avg[where]], [exp_avg_sq[where]], [], steps,
             amsgrad=False, lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=wd,
@@ -46,13 +48,21 @@ def fp32_chunk(
 
 
 def compact_scalars(
-    coef: float, lr: float, step: int, betas: tuple[float, float], weight_decay: float
+    coef: float,
+    lr: float,
+    step: int,
+    betas: tuple[float, float],
+    weight_decay: float,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, ...]:
-    """The per-step numbers of `compact_chunk` as 0-d tensors (coef, lr/bc1, 1/sqrt(bc2),
-    lr*wd, 0): a Python float would be a constant to a compiler."""
+    """The per-step numbers of `compact_chunk` as 0-d tensors on `device` (coef, lr/bc1,
+    1/sqrt(bc2), lr*wd, 0): a Python float would be a constant to a compiler. Filled on
+    the device, not copied from host scalars (whose memory could go before an asynchronous
+    copy read it)."""
     bc1 = 1 - betas[0] ** step
     rbc2 = 1 / math.sqrt(1 - betas[1] ** step)
-    return tuple(torch.tensor(x) for x in (coef, lr / bc1, rbc2, lr * weight_decay, 0.0))
+    values = (coef, lr / bc1, rbc2, lr * weight_decay, 0.0)
+    return tuple(torch.full((), x, dtype=torch.float32, device=device) for x in values)
 
 
 def compact_chunk(

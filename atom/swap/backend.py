@@ -173,6 +173,10 @@ class Backend:
     def release_host(self, t: Transfer) -> None:
         pass
 
+    def staging_bytes(self) -> int | None:
+        """Bytes of the D2H staging pool (None: no pool, any transfer goes at once)."""
+        return None
+
     def offload(self, t: torch.Tensor) -> torch.Tensor:
         """Move an activation to host memory (activation offload); `fetch` brings it back."""
         return t
@@ -457,6 +461,9 @@ class CudaBackend(Backend):
                 s.record_stream(self.d2h_stream)
         t.issued.set()
         return t
+
+    def staging_bytes(self) -> int | None:
+        return self._chunk_bytes * self._staging_chunks
 
     def _free_staging(self, abort) -> torch.Tensor:
         """A free staging chunk. Their consumer is the host worker: when it has failed,

@@ -96,6 +96,18 @@ def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
     return chosen
 
 
+def _scatter(piece: torch.Tensor, offset: int, dests: list[torch.Tensor]) -> None:
+    """Bytes [offset, offset + len(piece)) of a packed transfer into the byte views
+    `dests`, laid back to back in the packing's order."""
+    at = 0
+    end = offset + piece.numel()
+    for dst in dests:
+        lo, hi = max(at, offset), min(at + dst.numel(), end)
+        if lo < hi:
+            dst[lo - at : hi - at].copy_(piece[lo - offset : hi - offset])
+        at += dst.numel()
+
+
 class CardGradients:
     """Card-updated units' gradients on the device, in fp32 and the unit's flat layout (as
     the host gradient would hold them): summed over a step's runs of visits (micro-batch-
@@ -156,7 +168,8 @@ class CardUpdate:
     ):
         assert chunk % BLOCK == 0
         self.backend, self.store, self.optimizers = backend, store, optimizers
-        self.worker, self.ledger, self.chunk = worker, ledger, chunk
+        self.worker, self.ledger = worker, ledger
+        self.chunk_limit = self.chunk = chunk  # chunk: the size in use (_size_chunks)
         self.updates = 0
         self.bytes_up = self.bytes_down = 0  # state over the bus (benchmarks, tests)
 
@@ -181,6 +194,7 @@ class CardUpdate:
             buf.lock.release()
 
         try:
+            self._size_chunks(buf)
             if self.store.compact:
                 self._compact(u, grad, coef, lr, slot, from_slot)
             else:
@@ -194,6 +208,16 @@ class CardUpdate:
                 give_back()
             raise
         self.updates += 1
+
+    def _size_chunks(self, buf) -> None:
+        """Elements per chunk: DEVICE_CHUNK, or fewer where two chunks' packed state would
+        not fit the D2H staging pool (a small model's pool is one small unit's gradient)."""
+        per = 6 if self.store.compact else 12  # state bytes back per element
+        if not buf.compute_is_master:
+            per += buf.compute.element_size()
+        pool = self.backend.staging_bytes()
+        fits = DEVICE_CHUNK if pool is None else pool // 2 // (per + 1)  # +1: block scales
+        self.chunk = min(self.chunk_limit, max(BLOCK, fits // BLOCK * BLOCK))
 
     # ------------------------------------------------------------------ state formats
     def _fp32(self, u: int, grad: torch.Tensor, coef: float, lr: float, slot) -> None:
@@ -233,7 +257,7 @@ class CardUpdate:
         cfg = opt.cfg
         opt.steps += 1
         betas = (cfg.beta1, cfg.beta2)
-        scalars = compact_scalars(coef, lr, opt.steps, betas, cfg.weight_decay)
+        scalars = compact_scalars(coef, lr, opt.steps, betas, cfg.weight_decay, grad.device)
         pieces = [(s, min(opt.n, s + self.chunk)) for s in range(0, opt.n, self.chunk)]
 
         def host_of(piece) -> list[torch.Tensor]:
@@ -297,8 +321,7 @@ class CardUpdate:
             dev, transfers = current
             for t in transfers:
                 self.backend.wait_compute(t)
-            for src, dst in update(piece, dev):
-                self._land(src, dst)
+            self._land(update(piece, dev))
             self.ledger.sub(sum(d.nbytes for d in dev))
 
     def _issue_h2d(self, host: list[torch.Tensor]):
@@ -308,15 +331,19 @@ class CardUpdate:
         self.bytes_up += sum(h.nbytes for h in host)
         return dev, [self.backend.h2d(d, h, after, []) for d, h in zip(dev, host, strict=True)]
 
-    def _land(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy device `src` back into host `dst` (a view of the unit's state) on the
-        host worker, piece by piece as the D2H staging chunks land."""
-        self.bytes_down += src.nbytes
-        transfer = self.backend.d2h(src, abort=self.worker.check)
+    def _land(self, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each device tensor back into its host destination (a contiguous view of the
+        unit's state) on the host worker. One transfer for all of a chunk's tensors, packed
+        as bytes on the device: a transfer takes whole staging chunks, and six small ones a
+        chunk (the block scales are 1/256 of it) would hold six."""
+        packed = torch.cat([src.reshape(-1).view(torch.uint8) for src, _ in outs])
+        dests = [dst.view(torch.uint8) for _, dst in outs]
+        self.bytes_down += packed.nbytes
+        transfer = self.backend.d2h(packed, abort=self.worker.check)
 
         def land() -> None:
             for offset, host in self.backend.host_pieces(transfer):
-                dst[offset : offset + host.numel()].copy_(host)
+                _scatter(host, offset, dests)
             self.backend.release_host(transfer)
 
         try:
