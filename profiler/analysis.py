@@ -17,6 +17,7 @@ counted in the compute dtype; the error is well under the 10% the memory model p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,10 @@ class UnitInfo:
     n_blocks: int
     n_owned: int  # parameters whose master/optimizer state this unit holds
     n_total: int  # parameters that cross the bus (owned + tied aliases)
+    tied: bool = False  # shares tied weights with another unit: its update stays on the host
 
 
+@functools.cache
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -74,6 +77,8 @@ class ModelAnalysis:
 
     @classmethod
     def of(cls, cfg: Config) -> ModelAnalysis:
+        from atom.swap.card_update import eligible
+
         model = build_model(cfg.model, device="meta")
         specs = partition(model, cfg.swap.layers_per_unit)
         units = [
@@ -83,6 +88,7 @@ class ModelAnalysis:
                 len(s.module.parts) if s.kind == "blocks" else 0,
                 s.n_owned,
                 s.n_total,
+                not eligible(specs, s.index),
             )
             for s in specs
         ]

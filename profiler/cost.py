@@ -1,17 +1,25 @@
 """Memory and time models of one swapped training step for a candidate plan.
 
 Peak device bytes (what the engine's ledger counts, plus CUDA-only workspace):
-    slots (prefetch + 1) x largest unit
+    slots: (prefetch + 1) shared ones of the largest unit's size, and one sized to each
+    resident unit (swap.resident_units, the block units nearest the head)
   + checkpointed unit inputs (N - 2 of them, unless offloaded to host)
   + the larger of: one unit's working activations during its recompute + backward, or
     the head's (whose fp32 log-softmax over the vocabulary is often the biggest buffer)
   + one unit's parameter gradient on its way to the host
+  + units updated on the card (swap.card_update): the fp32 gradient sum of the unit being
+    updated (of every such unit, where they wait for the step's global norm or sum over
+    micro-batch-major passes) and two chunks of its optimizer state
   + on CUDA: the head backward's transients (logits and their fp32 gradients) and
     allocator slack.
 Without checkpointing every block's activations are kept through the forward instead.
 
 Step time: the unit pipeline per micro-batch, each stage max(compute, transfer) at the
-chosen prefetch depth, times grad_accum, plus the host optimizer tail.
+chosen prefetch depth, times grad_accum, plus the host optimizer tail. A unit updated on
+the card sends no gradient to the host: its optimizer state crosses the bus instead (in
+with the backward's weight reloads, out with the other units' gradients), and its update
+runs on the card, either in the backward as its gradient is final (no clipping, or
+swap.update eager) or, with exact clipping, after the backward one unit after another.
 """
 
 from __future__ import annotations
@@ -21,15 +29,22 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from atom.config import SwapConfig
-from atom.profiler.analysis import ModelAnalysis, dtype_bytes
+from atom.optim.compact import BLOCK, padded
+from atom.profiler.analysis import ModelAnalysis, UnitInfo, dtype_bytes
 from atom.profiler.hardware import HardwareSpec
 from atom.profiler.timing import PieceTimes
+from atom.swap.card_update import DEVICE_CHUNK
+
+# Device-memory traffic of the update on the card, bytes a parameter: read gradient,
+# master and moments, write master, moments (and the compute copy), the chunk's copies
+CARD_WORK_BYTES = {"fp32": 32, "compact": 24}
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One plan the profiler weighs: a partition, a batch and a host state. Fields that
-    are swap settings carry SwapConfig's names (swap_settings()), so nothing translates."""
+    """One plan the profiler weighs: a partition, a batch, a host state and where each unit
+    lives. Fields that are swap settings carry SwapConfig's names (swap_settings()), so
+    nothing translates."""
 
     layers_per_unit: int
     prefetch: int
@@ -38,15 +53,91 @@ class Candidate:
     checkpoint: bool
     offload_activations: bool
     order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
-    resident_units: int = 0  # block units kept on the device all step
+    resident_units: int = 0  # block units nearest the head kept on the device (own slots)
     state: str = "fp32"  # fp32, or compact (bf16 + 8-bit moments, half the RAM)
     disk_tier: bool = False  # master and moments on disk (swap.disk_dir), paged around updates
+    card_update: str = "none"  # swap.card_update: units whose update runs on the device
+    update: str = "exact"  # swap.update: with clipping, wait for the norm, or eager
 
     def swap_settings(self) -> dict:
         """The swap section this candidate means (disk_tier aside: the directory is the
         user's, swap.disk_dir)."""
         names = {f.name for f in fields(SwapConfig)}
         return {k: v for k, v in asdict(self).items() if k in names}
+
+
+def card_units(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
+    """The units `c.card_update` names (as atom/swap/card_update.py parses it): "none",
+    "all" (every unit not tied to another) or indices such as "1-32,34"."""
+    spec = c.card_update.strip()
+    if spec in ("", "none"):
+        return frozenset()
+    if spec == "all":
+        return frozenset(u.index for u in a.units if not u.tied)
+    chosen: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        chosen.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(chosen)
+
+
+def resident_set(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
+    """swap.resident_units as indices: the block units nearest the head."""
+    n = len(a.units)
+    return frozenset(range(n - 1 - c.resident_units, n - 1))
+
+
+def update_timing(c: Candidate, grad_clip: float, dtype: torch.dtype) -> str:
+    """When updates run, as the engine resolves it (atom/swap/update_timing.py): immediate
+    without clipping, eager with swap.update eager, else exact (fp16 loss scaling needs
+    the step's norm: always exact)."""
+    scaling = dtype == torch.float16
+    if grad_clip <= 0 and not scaling:
+        return "immediate"
+    return "eager" if c.update == "eager" and not scaling else "exact"
+
+
+def card_state_bytes(
+    u: UnitInfo, state: str, dtype: torch.dtype, persistent: bool
+) -> tuple[float, float]:
+    """(up, down): bytes of a card-updated unit's optimizer state over the bus per update.
+
+    fp32 state: master and both moments each way (12 bytes a parameter), and down the
+    compute copy where it is not the master. compact: up the 16-bit remainder and the two
+    8-bit moments with their block scales (the bf16 master comes from the unit's device
+    slot, in a bf16 step; else up too); down the bf16 master, remainder and moments, but
+    not the master of a unit kept on the card across steps in a bf16 step (its new weights
+    stay in its slot). Other compute dtypes also bring the compute copy down."""
+    n = u.n_total
+    dt = dtype_bytes(dtype)
+    if state == "compact":
+        blocks = padded(n)
+        moments = 2 * blocks + 2 * 4 * blocks // BLOCK  # two code arrays, two scale arrays
+        bf16 = dtype == torch.bfloat16
+        up = 2 * n + moments + (0 if bf16 else 2 * n)
+        down = 2 * n + moments + (0 if bf16 and persistent else 2 * n) + (0 if bf16 else dt * n)
+        return float(up), float(down)
+    copy = 0 if dtype == torch.float32 else dt * n
+    return 12.0 * n, 12.0 * n + copy
+
+
+def card_work_s(u: UnitInfo, state: str, hw: HardwareSpec) -> float:
+    """Seconds of the update itself on the device: memory-bound on a card; on the CPU
+    backend the "card" is the host's cores, at the host update's own rate."""
+    if hw.device == "cuda" and hw.card_mem_bps > 0:
+        return u.n_total * CARD_WORK_BYTES[state] / hw.card_mem_bps
+    rate = hw.compact_adam_s_per_param if state == "compact" else hw.adam_s_per_param
+    return u.n_total * rate
+
+
+def _chunk_bytes(u: UnitInfo, state: str, dtype: torch.dtype, cuda: bool) -> int:
+    """Device bytes of a card update's state chunks (two in flight: double-buffered), and
+    on CUDA one chunk's temporaries (the fp32 gradient slice, padded weights/remainder,
+    fp32 moments)."""
+    n = min(u.n_total, 2 * DEVICE_CHUNK)
+    up, _ = card_state_bytes(u, state, dtype, False)
+    work = min(u.n_total, DEVICE_CHUNK) * (16 if state == "compact" else 6) if cuda else 0
+    return int(up / u.n_total * n) + work
 
 
 @dataclass
@@ -65,7 +156,8 @@ class Prediction:
 def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
     dt = dtype_bytes(dtype)
     n_units = len(a.units)
-    slots = (c.prefetch + 1 + c.resident_units) * a.largest_unit * dt
+    resident = resident_set(a, c)
+    slots = ((c.prefetch + 1) * a.largest_unit + sum(a.units[i].n_total for i in resident)) * dt
     hidden = a.hidden_bytes(c.micro_batch, dtype)
     block = a.block_activation_bytes(c.micro_batch, dtype)
     head = a.head_activation_bytes(c.micro_batch, dtype)
@@ -79,12 +171,16 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
     m = c.grad_accum if c.order == "unit" else 1
     frontier = (m - 1) * hidden
     accumulator = a.largest_unit * 4 if m > 1 else 0
+    card = _card_bytes(a, c, dtype, cuda, m)
     if c.checkpoint:
         kept = 0 if c.offload_activations else (n_units - 2) * hidden * m
         # recompute of a unit: all its blocks' saved tensors, and the inputs of all but the
         # first (that one is the checkpoint, already counted, unless it was offloaded)
         inner_inputs = lpu if c.offload_activations else lpu - 1
-        working = max(head + head_unit, lpu * block + inner_inputs * hidden + largest_block_unit)
+        working = max(
+            max(head + head_unit, card.head),
+            max(lpu * block + inner_inputs * hidden + largest_block_unit, card.block) + card.held,
+        )
         peak = slots + kept + working + frontier + accumulator
     else:
         n_layer = a.cfg.model.n_layer
@@ -94,14 +190,74 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
         peak = (
             slots
             + m * (embed_saved + n_layer * (block + hidden))
-            + max(head + head_unit, largest_block_unit)
+            + max(head + head_unit, card.head, largest_block_unit + card.held, card.block)
             + frontier
             + accumulator
         )
+    # the embedding's update on the card, last in the backward (or every card unit's update
+    # after it, with exact clipping)
+    peak = max(peak, slots + card.end)
     if cuda:
         peak += a.head_workspace_bytes(c.micro_batch, dtype) + 2 * hidden
         peak = int(peak * 1.05)  # caching-allocator rounding and fragmentation
     return int(peak)
+
+
+def card_held_all_step(c: Candidate, grad_clip: float, dtype: torch.dtype) -> bool:
+    """Do card units' fp32 gradients wait on the device for the step's end? With exact
+    clipping (until the norm is known), and micro-batch-major with several micro-batches
+    (summed over the passes)."""
+    micro_major = c.order == "micro" and c.grad_accum > 1
+    return micro_major or update_timing(c, grad_clip, dtype) == "exact"
+
+
+@dataclass
+class _CardBytes:
+    head: int = 0  # as the head's update runs (its activations are gone by then)
+    block: int = 0  # as a block unit's update runs, its recompute's activations gone
+    held: int = 0  # sums held while later units run their backward (exact, micro-major)
+    end: int = 0  # after the backward: the embedding's update, or every sum and an update
+
+
+def _card_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool, m: int):
+    """Device bytes of the update on the card: each card unit's fp32 gradient sum (n_total
+    x 4) from its backward to its update, and two chunks of its state while it updates.
+    The engine's ledger (the CPU figure) gives back the gradient as it is summed in (the
+    compute-dtype gradient, or unit-major's fp32 micro-batch sum); on CUDA both exist at
+    that moment."""
+    card = card_units(a, c)
+    if not card:
+        return _CardBytes()
+    dt = dtype_bytes(dtype)
+
+    def updating(u: UnitInfo) -> int:
+        chunks = _chunk_bytes(u, c.state, dtype, cuda)
+        if m > 1:  # the micro-batch sum (counted as `accumulator`) is copied into this one
+            return (4 * u.n_total if cuda else 0) + chunks
+        return (
+            max(u.n_total * dt + 4 * u.n_total, 4 * u.n_total + chunks)
+            if cuda
+            else (4 * u.n_total + chunks)
+        )
+
+    units = [a.units[i] for i in sorted(card)]
+    head, embed = a.units[-1], a.units[0]
+    blocks = [u for u in units if u.kind == "blocks"]
+    # (the bytes grow with a unit's size: the largest card block unit's are the most)
+    widest = max(blocks, key=lambda u: u.n_total, default=None)
+    out = _CardBytes(
+        head=updating(head) if head.index in card else 0,
+        block=updating(widest) if widest else 0,
+        end=updating(embed) + embed.n_total * dt if embed.index in card else 0,
+    )
+    if card_held_all_step(c, a.cfg.train.grad_clip, dtype):
+        # every card unit's sum stays until the step's end: while the blocks run their
+        # backward, those of the head and the later blocks; then all of them, and an update
+        out.block = 0
+        out.held = sum(4 * u.n_total for u in units if u.index != 0)
+        chunks = _chunk_bytes(max(units, key=lambda u: u.n_total), c.state, dtype, cuda)
+        out.end = sum(4 * u.n_total for u in units) + chunks + embed.n_total * dt
+    return out
 
 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
@@ -116,8 +272,9 @@ def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -
 def staging_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
     """The pinned D2H staging pool (CUDA): one unit's gradient in the widest dtype that
     crosses (the compute dtype; fp32 sums of several micro-batches, which compact state
-    rounds to bf16 as they cross)."""
-    item = dtype_bytes(dtype) if c.state == "compact" else 4
+    rounds to bf16 as they cross; fp32 state of a unit updated on the card)."""
+    card = c.card_update.strip() not in ("", "none")
+    item = dtype_bytes(dtype) if c.state == "compact" and not card else 4
     return a.largest_unit * item
 
 
@@ -153,12 +310,12 @@ def predict(
     hw: HardwareSpec,
     times: PieceTimes,
     dtype: torch.dtype,
-    eager: bool = False,
 ) -> Prediction:
     """Step time of one plan. Unit-major (`c.order == "unit"`) runs the unit pipeline once
     per step with every stage's compute multiplied by grad_accum (each unit crosses the bus
-    once per pass); micro-batch-major runs it grad_accum times. `eager`: swap.update=eager,
-    units update while the backward of earlier units still runs."""
+    once per pass); micro-batch-major runs it grad_accum times. When updates run
+    (`update_timing`): eager or without clipping, a unit updates while the backward of
+    earlier units still runs; exact, after the step's last gradient."""
     cuda = hw.device == "cuda"
     dt = dtype_bytes(dtype)
     units = a.units
@@ -167,14 +324,20 @@ def predict(
     per_pass = m_total if unit_major else 1  # micro-batches per unit visit run
     passes = 1 if unit_major else m_total  # times the unit pipeline runs per step
     body = units[:-1]  # embed + block units; the head runs forward and backward at once
+    resident = resident_set(a, c)
+    card = card_units(a, c)
+    # resident units updated on the card stay on the device across steps: never copied
+    persistent = resident & card
+    timing = update_timing(c, a.cfg.train.grad_clip, dtype)
     h2d = [u.n_total * dt / hw.h2d_bps for u in units]
     fwd_c = [times.embed / 3 if u.kind == "embed" else u.n_blocks * times.block_fwd for u in body]
     fwd_c_all = [t * per_pass for t in fwd_c + [times.head]]
     # resident units (the block units before the head) are loaded by the first forward
-    # only: later passes and every backward find them on the device
-    pinned = set(range(len(units) - 1 - c.resident_units, len(units) - 1))
-    h2d_later = [0.0 if u.index in pinned else h2d[u.index] for u in units]
-    fwd, fwd_bus = _pipeline(fwd_c_all, [h2d[u.index] for u in units], c.prefetch)
+    # only (those kept across steps not even then): later passes and every backward find
+    # them on the device
+    h2d_first = [0.0 if u.index in persistent else h2d[u.index] for u in units]
+    h2d_later = [0.0 if u.index in resident else h2d[u.index] for u in units]
+    fwd, fwd_bus = _pipeline(fwd_c_all, h2d_first, c.prefetch)
     fwd_later, fwd_later_bus = _pipeline(fwd_c_all, h2d_later, c.prefetch)
     # backward over body units in reverse; the last `prefetch` of the forward stay resident
     recompute = times.block_fwd if c.checkpoint else 0.0
@@ -186,35 +349,55 @@ def predict(
     dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
     kept = min(c.prefetch, len(body))
     bwd_x = [
-        0.0 if i < kept or u.index in pinned else u.n_total * dt / dup
+        0.0 if i < kept or u.index in resident else u.n_total * dt / dup
         for i, u in enumerate(reversed(body))
     ]
-    # summed over micro-batches in fp32 on the device (compact: rounded to bf16 as it crosses)
+    # summed over micro-batches in fp32 on the device (compact: rounded to bf16 as it
+    # crosses); a unit updated on the card sends none
     grad_bytes = (2 if c.state == "compact" else 4) if per_pass > 1 else dt
-    d2h = sum(u.n_total * grad_bytes / hw.d2h_bps for u in units) if cuda else 0.0
+    grad_down = sum(u.n_total * grad_bytes for u in units if u.index not in card)
+    d2h = grad_down / hw.d2h_bps if cuda else 0.0
     bwd, bwd_bus = _pipeline(bwd_c, bwd_x, c.prefetch)
     bwd = max(bwd, d2h)
+    # the update on the card: state bytes each way and device seconds, per unit
+    up, down, work = {}, {}, {}
+    for i in sorted(card):
+        up[i], down[i] = card_state_bytes(units[i], c.state, dtype, i in persistent)
+        work[i] = card_work_s(units[i], c.state, hw)
+    last, last_bus, card_serial = _last_backward(
+        units, body, card, up, down, work, bwd_c, bwd_x, d2h, hw, c.prefetch, timing
+    )
+    if not card:
+        last, last_bus = bwd, bwd_bus
     offload = 0.0
     if c.offload_activations and cuda:
         offload = 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
         offload *= per_pass
     if hw.host_shares_compute:
         # CPU backend: copies run on the compute thread (inline), so they add
-        # to the step rather than hide under it
-        fwd = sum(fwd_c_all) + sum(h2d)
+        # to the step rather than hide under it; so do the card's state copies and update
+        fwd = sum(fwd_c_all) + sum(h2d_first)
         fwd_later = sum(fwd_c_all) + sum(h2d_later)
         bwd = sum(bwd_c) + sum(bwd_x)
+        last = bwd + sum((up[i] + down[i]) / hw.h2d_bps + work[i] for i in card)
+        card_serial = 0.0
     overhead = (2 * len(units) - 1) * per_pass * hw.unit_overhead_s
-    one_pass = fwd + bwd + offload + overhead
-    later_pass = fwd_later + bwd + offload + overhead
-    n = a.n_params
+    # the first pass loads every unit not kept across steps; the card updates run in the
+    # last (the first, unit-major)
+    device = fwd + offload + overhead + (passes - 1) * (fwd_later + offload + overhead)
+    device += (passes - 1) * bwd + last
+    host_units = [u for u in units if u.index not in card]
+    n_host = sum(u.n_owned for u in host_units)
     # Host side, on one worker thread: each unit's gradient lands once per pass (a copy or
     # an add into the fp32 host gradient), then the unit updates (norm, Adam, bf16 refresh).
-    landing = passes * n * hw.accum_s_per_param
+    landing = passes * n_host * hw.accum_s_per_param
     adam = hw.compact_adam_s_per_param if c.state == "compact" else hw.adam_s_per_param
     # plus each unit's update call: its Python, not its parameters (tens of units of a
     # small model on a CPU: a few ms a step)
-    optimizer = n * adam + len(units) * hw.unit_update_overhead_s
+    optimizer = n_host * adam + len(host_units) * hw.unit_update_overhead_s
+    # the card's new state lands in host memory on the same worker: a copy, which moves
+    # twice its bytes through DRAM (an fp32 add, accum_s_per_param, moves 12 a parameter)
+    card_land = 2 * sum(down.values()) * hw.accum_s_per_param / 12 if cuda else 0.0
     disk_io = first_read = 0.0
     if c.disk_tier:
         # every unit's record is read before its update and written back after it; reads
@@ -226,25 +409,28 @@ def predict(
     if hw.host_shares_compute:
         tail = optimizer + landing  # the CPU backend's host work takes the same cores
     else:
-        first_unit = units[0].n_owned * adam + first_read
-        if eager:
+        # the embedding's update must end before the next step's forward can load it
+        first_unit = 0.0 if 0 in card else units[0].n_owned * adam + first_read
+        if timing != "exact":
             # landings and updates run as gradients arrive, under the rest of the backward
             # and the next step's forward
-            tail = max(first_unit, landing + optimizer - bwd - fwd)
+            tail = max(first_unit, landing + optimizer + card_land - last - fwd)
         else:
-            # exact (with clipping): updates wait for the last landing, then run in forward
-            # order under the next step's forward
-            tail = max(0.0, landing - passes * bwd) + max(first_unit, optimizer - fwd)
-    step = one_pass + (passes - 1) * later_pass + tail
-    compute_s = passes * (sum(fwd_c_all) + sum(bwd_c))
-    bus_s = fwd_bus + (passes - 1) * fwd_later_bus + passes * bwd_bus
+            # exact (with clipping): updates wait for the last landing; then the card's
+            # run one after another, the host's in forward order under them and the next
+            # step's forward
+            tail = max(0.0, landing - passes * bwd) + max(
+                0.0, first_unit - card_serial, optimizer + card_land - card_serial - fwd
+            )
+    step = device + card_serial + tail
+    compute_s = passes * (sum(fwd_c_all) + sum(bwd_c)) + sum(work.values())
+    bus_s = fwd_bus + (passes - 1) * (fwd_later_bus + bwd_bus) + last_bus + card_serial
     bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
     tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
-    first_fwd = sum(u.n_total for u in units) * dt
-    later_fwd = sum(u.n_total for u in units if u.index not in pinned) * dt
-    one_bwd = sum(
-        u.n_total * dt for i, u in enumerate(reversed(body)) if i >= kept and u.index not in pinned
-    )
+    first_fwd = sum(u.n_total for u in units if u.index not in persistent) * dt
+    later_fwd = sum(u.n_total for u in units if u.index not in resident) * dt
+    reloaded = [u for i, u in enumerate(reversed(body)) if i >= kept and u.index not in resident]
+    one_bwd = sum(u.n_total for u in reloaded) * dt
     return Prediction(
         step_s=step,
         tokens_per_s=tokens / step,
@@ -253,11 +439,20 @@ def predict(
         bottleneck=bottleneck,
         detail={
             "forward_s": fwd,
-            "backward_s": bwd,
+            "backward_s": last,
             "optimizer_tail_s": tail,
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
+            # weights to the device (the card's optimizer state: state_up_bytes)
             "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
+            "d2h_grad_bytes_per_step": passes * grad_down,
+            # the update on the card: its optimizer state over the bus each way, its time
+            # on the device, and (exact clipping) the serial phase after the backward
+            "state_up_bytes": sum(up.values()),
+            "state_down_bytes": sum(down.values()),
+            "card_update_device_s": sum(work.values()),
+            "card_update_serial_s": card_serial,
+            "host_update_s": optimizer + landing,
             # activation offload: each checkpointed unit input goes to the host and back
             "offload_bytes_per_step": (
                 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * c.grad_accum
@@ -277,3 +472,31 @@ def predict(
             else 0,
         },
     )
+
+
+def _last_backward(
+    units, body, card, up, down, work, bwd_c, bwd_x, d2h, hw, prefetch, timing
+) -> tuple[float, float, float]:
+    """(backward time, its bus stall, serial card phase) of the step's last pass with the
+    card's updates in it. Overlapped (no clipping, or eager): a unit updates as its
+    backward ends, its state's copy up sharing the H2D link with later units' reloads
+    (behind the next unit's compute), its copy down the D2H link with their gradients,
+    its device time added to its backward. Exact: after the backward, one unit after
+    another (each the slowest of its copy up, its copy down and its update)."""
+    if not card:
+        return 0.0, 0.0, 0.0
+    cuda = hw.device == "cuda"
+    dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
+    d2h_bps = hw.d2h_bps if cuda else float("inf")
+    if timing == "exact":
+        serial = sum(max(up[i] / dup, down[i] / d2h_bps, work[i]) for i in sorted(card))
+        bwd, bus = _pipeline(bwd_c, bwd_x, prefetch)
+        return max(bwd, d2h), bus, serial
+    # stages: the backward's, then two for copies that outlast it
+    comp, xfer = list(bwd_c) + [0.0, 0.0], list(bwd_x) + [0.0, 0.0]
+    for stage, u in enumerate([units[-1], *reversed(body)], start=-1):  # head: -1
+        if u.index in card:
+            comp[max(stage, 0)] += work[u.index]
+            xfer[stage + 2] += up[u.index] / dup
+    bwd, bus = _pipeline(comp, xfer, prefetch)
+    return max(bwd, d2h + sum(down.values()) / d2h_bps), bus, 0.0

@@ -57,6 +57,10 @@ class HardwareSpec:
     # the NVMe tier's disk (swap.disk_dir), large sequential transfers; 0: none known
     disk_read_bps: float = 0.0
     disk_write_bps: float = 0.0
+    # the card's memory bandwidth, bytes/s: the update on the card (swap.card_update) is
+    # memory-bound there; 0: unknown (a CPU machine, whose "card" is host memory, prices
+    # that update at the host update's rates; a CUDA spec without it plans no card update)
+    card_mem_bps: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +76,7 @@ class HardwareSpec:
             "compact_adam_s_per_param",
             "disk_read_bps",
             "disk_write_bps",
+            "card_mem_bps",
         }
         missing = names - set(data) - optional
         if missing:
@@ -156,6 +161,26 @@ PRESETS: dict[str, dict] = {
     # (docs/benchmarks.md)
     "h200": _gpu("H200 (141 GB, PCIe5)", 139, 50, 50, 35, 400 / TRAINING_SHARE_OF_MATMUL),
 }
+
+
+# The card's memory bandwidth, GB/s, as NVIDIA specifies it (peak: memory interface width x
+# data rate; a large device copy gets less, not charged here: the update on the card moves
+# ~24-32 bytes a parameter through it, milliseconds per unit against its backward's tens).
+# NVIDIA's product pages (nvidia.com/en-us/geforce/graphics-cards/...; data-center/h200):
+CARD_MEMORY = {
+    "rtx2080ti": 616,  # .../rtx-2080-ti: 352-bit GDDR6 at 14 Gbps, 616 GB/s
+    "rtx3060": 360,  # .../30-series/rtx-3060-3060ti: 12 GB, 192-bit GDDR6 at 15 Gbps
+    # .../40-series/rtx-4060-4060ti: 128-bit GDDR6 at 18 Gbps (the page's 554 GB/s
+    # "effective" counts hits in the L2 cache, which a streamed update does not get)
+    "rtx4060ti": 288,
+    "rtx4070": 504,  # .../40-series/rtx-4070-family: 192-bit GDDR6X at 21 Gbps
+    "rtx3090": 936,  # .../30-series/rtx-3090-3090ti: 384-bit GDDR6X at 19.5 Gbps, 936 GB/s
+    "rtx4090": 1008,  # .../40-series/rtx-4090: 384-bit GDDR6X at 21 Gbps, 1,008 GB/s
+    "rtx5090": 1792,  # .../50-series/rtx-5090: 512-bit GDDR7 at 28 Gbps, 1,792 GB/s
+    "h200": 4800,  # data-center/h200: 4.8 TB/s (HBM3e)
+}
+for _card, _gbps in CARD_MEMORY.items():
+    PRESETS[_card]["card_mem_bps"] = _gbps * 1e9
 
 
 def stated(spec: str, device_mem: int | None = None, host_mem: int | None = None) -> HardwareSpec:
@@ -333,6 +358,20 @@ def measure_unit_overhead(device: torch.device) -> tuple[float, float]:
     return per_visit, per_update
 
 
+def measure_card_memory(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """The card's memory bandwidth, bytes/s: a large device-to-device copy (it reads and
+    writes every byte), as the update on the card streams its state through memory."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+
+    copy()
+    return 2 * nbytes / _median_time(copy, 5)
+
+
 def _copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
     """What the CPU backend's copies achieve: a memcpy on the computing thread, with its
     team (atom/swap/backend.py: the CPU backend runs its host work inline)."""
@@ -444,6 +483,7 @@ def _measure(
             back.copy_(dev2, non_blocking=True)
 
     duplex = pinned.nbytes / timed(both)
+    card_mem = measure_card_memory(device)
     bar.update(2)
     margin = max(GiB // 2, int(0.05 * total))  # CUDA context, allocator slack, fragmentation
     return HardwareSpec(
@@ -463,4 +503,5 @@ def _measure(
         unit_overhead_s=overhead,
         unit_update_overhead_s=update_overhead,
         compact_adam_s_per_param=compact,
+        card_mem_bps=card_mem,
     )

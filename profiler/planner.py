@@ -1,8 +1,9 @@
 """Search the plan space and write plan.json.
 
 Dimensions: layers_per_unit, prefetch depth, micro-batch (grad_accum makes up the target
-batch), activation checkpointing, activation offload, order, resident units, and the host
-state (swap.state) and where it lives (RAM, or the NVMe tier: swap.disk_dir). Plans must
+batch), activation checkpointing, activation offload, order, the host state (swap.state)
+and where it lives (RAM, or the NVMe tier: swap.disk_dir), and per unit where its weights
+and its update live (resident units, swap.card_update, swap.update: placement.py). Plans must
 fit the device budget and host RAM. The host state is chosen in this order, the first
 that fits: fp32 in RAM (exactly plain PyTorch's training), compact in RAM (half the RAM,
 not bit-equal), fp32 on disk, compact on disk (the disk tier needs a disk speed: measured
@@ -21,12 +22,15 @@ import torch
 
 from atom.config import Config, ConfigError, model_differences, replace
 from atom.profiler.analysis import ModelAnalysis, dtype_bytes
-from atom.profiler.cost import Candidate, Prediction, predict
+from atom.profiler.cost import Candidate, Prediction
 from atom.profiler.hardware import GiB, HardwareSpec
+from atom.profiler.placement import Placer
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 2  # 2: swap holds SwapConfig's keys only; the NVMe tier is disk_tier
+# 2: swap holds SwapConfig's keys only; the NVMe tier is disk_tier. 3: placement (resident
+# units in every order, swap.card_update, swap.update), with `placement` in words
+PLAN_VERSION = 3
 
 
 class Infeasible(Exception):
@@ -47,6 +51,8 @@ class Plan:
     disk_tier: bool = False  # master and moments on disk: swap.disk_dir is the user's to give
     candidates: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the user should know about the choice
+    # per group of units: where their weights and update live, and why (placement.describe)
+    placement: list[dict] = field(default_factory=list)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +68,10 @@ class Plan:
             raise ConfigError(
                 f"{path} is not valid JSON ({err.msg}); run `atom profile` again"
             ) from None
-        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
+        version = data.get("version") if isinstance(data, dict) else None
+        if isinstance(version, int) and 0 < version < PLAN_VERSION:
+            raise ConfigError(f"{path} was written by an older atom: run atom profile again")
+        if version != PLAN_VERSION:
             raise ConfigError(
                 f"{path} is not an atom plan (version {PLAN_VERSION}); run `atom profile` again"
             )
@@ -103,10 +112,6 @@ def _lpu_options(n_layer: int) -> list[int]:
     return opts or [1]
 
 
-def _resident_options(most: int) -> list[int]:
-    return [k for k in (0, 1, 2, 4, 8, 16, 32) if k <= max(0, most)]
-
-
 def _batch_options(target: int) -> list[int]:
     opts, b = [], 1
     while b <= target:
@@ -130,8 +135,9 @@ def describe_host(state: str, disk: bool) -> str:
 def candidates(
     cfg: Config, target_batch: int, max_prefetch: int = 3, state: str = "fp32", disk=False
 ):
+    """The shapes of plan (placement.py places each one's units)."""
     for c in _shapes(cfg, target_batch, max_prefetch):
-        yield replace_candidate(c, state=state, disk_tier=disk)
+        yield replace_candidate(c, state=state, disk_tier=disk, update=cfg.swap.update)
 
 
 def replace_candidate(c: Candidate, **changes) -> Candidate:
@@ -146,13 +152,8 @@ def _shapes(cfg: Config, target_batch: int, max_prefetch: int):
                 accum = target_batch // mb
                 for ckpt, offload in ((False, False), (True, False), (True, True)):
                     yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "unit")
-                    if accum == 1:
-                        continue
-                    # micro-batch-major reloads every unit per micro-batch: keeping some
-                    # block units resident all step is what spare device memory buys
-                    for resident in _resident_options(n_units - 2 - prefetch):
-                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "micro",
-                                        resident_units=resident)  # fmt: skip
+                    if accum > 1:  # micro-batch-major: one micro-batch's activations
+                        yield Candidate(lpu, prefetch, mb, accum, ckpt, offload, "micro")
 
 
 @dataclass
@@ -190,25 +191,26 @@ def search(
     return scored
 
 
-def _score(cfg, hw, dtype, cands, times_for, analyses) -> list[Scored]:
+def _score(cfg, hw, dtype, shapes, times_for, analyses) -> list[Scored]:
     scored = []
-    for cand in cands:
-        if cand.layers_per_unit not in analyses:
-            analyses[cand.layers_per_unit] = ModelAnalysis.of(
-                replace(cfg, swap={"layers_per_unit": cand.layers_per_unit, "prefetch": 0})
-            )
-        a = analyses[cand.layers_per_unit]
-        times = times_for(cand.micro_batch, a)
+    for shape in shapes:
+        a = analysis(cfg, shape.layers_per_unit, analyses)
+        times = times_for(shape.micro_batch, a)
         if times is None:  # that micro-batch ran out of device memory while being timed
             continue
-        eager = cfg.swap.update == "eager"
-        pred = predict(a, cand, hw, times, dtype, eager)
-        scored.append(
-            Scored(
-                cand, pred, pred.peak_device_bytes <= hw.device_mem, pred.host_bytes <= hw.host_mem
-            )
-        )
+        for cand, pred in Placer(cfg, a, hw, times, dtype).placements(shape):
+            fits_device = pred.peak_device_bytes <= hw.device_mem
+            scored.append(Scored(cand, pred, fits_device, pred.host_bytes <= hw.host_mem))
     return scored
+
+
+def analysis(cfg: Config, lpu: int, analyses: dict[int, ModelAnalysis] | None = None):
+    """The model cut into units of `lpu` layers (cached in `analyses`)."""
+    analyses = {} if analyses is None else analyses
+    if lpu not in analyses:
+        swap = {"layers_per_unit": lpu, "prefetch": 0, "resident_units": 0, "card_update": "none"}
+        analyses[lpu] = ModelAnalysis.of(replace(cfg, swap=swap))
+    return analyses[lpu]
 
 
 def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype) -> list[Scored]:
@@ -230,7 +232,10 @@ def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dty
             p = s.prediction
             if p.step_s > fastest * 1.01:
                 return (True, p.step_s, 0)
-            bus = p.detail.get("h2d_bytes_per_step", 0) + p.detail.get("offload_bytes_per_step", 0)
+            bus = sum(
+                p.detail.get(k, 0)
+                for k in ("h2d_bytes_per_step", "offload_bytes_per_step", "state_up_bytes")
+            )
             return (False, bus, p.peak_device_bytes)
 
         return sorted(ok, key=rank)
@@ -343,17 +348,23 @@ def _longest_fitting_seq_len(
     return None
 
 
-def format_table(rows: list[Scored], limit: int = 8) -> str:
+def format_table(rows: list[Scored], limit: int = 8, clipped: bool = True) -> str:
+    """The ranked plans as a markdown table. `clipped`: train.grad_clip > 0 (then the card
+    update column says exact or eager)."""
     head = (
-        "| # | layers/unit | prefetch | micro-batch x accum | order | resident | checkpoint | "
-        "offload | host state | step s | tokens/s | device peak | host RAM | bottleneck |"
+        "| # | layers/unit | prefetch | micro-batch x accum | order | resident | card update | "
+        "checkpoint | offload | host state | step s | tokens/s | device peak | host RAM | "
+        "bottleneck |"
     )
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for i, s in enumerate(rows[:limit], 1):
         c, p = s.candidate, s.prediction
+        card = c.card_update
+        if card != "none" and clipped:
+            card += f" ({c.update})"
         lines.append(
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
-            f"{c.order if c.grad_accum > 1 else '-'} | {c.resident_units} | "
+            f"{c.order if c.grad_accum > 1 else '-'} | {c.resident_units} | {card} | "
             f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
             f"{c.state}{' (disk)' if c.disk_tier else ''} | {p.step_s:.3f} | "
             f"{p.tokens_per_s:,.0f} | "

@@ -15,7 +15,16 @@ from atom.model.compiled_blocks import wanted
 from atom.optim.compact import CHUNK
 from atom.profiler import hardware, timing
 from atom.profiler.analysis import ModelAnalysis
-from atom.profiler.planner import Plan, Scored, choose, make_plan, search, state_notes
+from atom.profiler.placement import clipping_note, describe
+from atom.profiler.planner import (
+    Plan,
+    Scored,
+    analysis,
+    choose,
+    make_plan,
+    search,
+    state_notes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,9 @@ def cached_hardware(
         hw = hardware.HardwareSpec.from_dict(cache.data["hardware"])
         if disk_dir is not None and not hw.disk_read_bps:
             hw.disk_read_bps, hw.disk_write_bps = hardware.measure_disk(disk_dir)
+            cache.data["hardware"] = hw.to_dict()
+        if hw.device == "cuda" and not hw.card_mem_bps:  # cached before it was measured
+            hw.card_mem_bps = hardware.measure_card_memory(device)
             cache.data["hardware"] = hw.to_dict()
         return hw
     one_layer = replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
@@ -154,5 +166,9 @@ def run_profile(
     scored = search(cfg, hw, dtype, target, times_for)
     ranked = choose(scored, hw, cfg, dtype)
     plan = make_plan(cfg, hw, dtype, target, ranked)
-    plan.notes = state_notes(scored, ranked, hw)
+    best = ranked[0].candidate
+    a = analysis(cfg, best.layers_per_unit)
+    plan.placement = describe(cfg, a, best, hw, times_for(best.micro_batch, a), dtype)
+    clipping = clipping_note(cfg, best, scored, dtype, a)
+    plan.notes = state_notes(scored, ranked, hw) + ([clipping] if clipping else [])
     return plan, ranked, hw

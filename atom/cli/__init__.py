@@ -233,17 +233,27 @@ def cmd_profile(args) -> int:
         f"{hw.host_mem / 2**30:.1f} GiB, H2D {hw.h2d_bps / 1e9:.1f} GB/s; "
         f"{len(ranked)} plans fit; batch {plan.target_batch} x {cfg.model.seq_len} tokens"
     )
-    print(format_table(ranked, args.top))
+    print(format_table(ranked, args.top, clipped=cfg.train.grad_clip > 0))
     best = plan.prediction
     print(
         f"atom: chose #1: {plan.swap['layers_per_unit']} layer(s)/unit, prefetch "
         f"{plan.swap['prefetch']}, micro-batch {plan.micro_batch} x {plan.grad_accum}, "
         f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
+        f"card update {plan.swap['card_update']}, "
         f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}, "
         f"{describe_host(plan.swap['state'], plan.disk_tier)}: "
         f"{best.step_s:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
         f"{best.peak_device_bytes / 2**30:.2f} GiB device peak ({best.bottleneck}-bound)"
     )
+    for group in plan.placement:  # where each unit's weights and update live, and why
+        print(f"atom: {group['says']}\n        because {group['why']}")
+    up, down = best.detail.get("state_up_bytes", 0), best.detail.get("state_down_bytes", 0)
+    if up:
+        print(
+            f"atom: the update on the card moves {up / 1e9:.1f} GB of optimizer state to the "
+            f"card and {down / 1e9:.1f} GB back a step, and runs "
+            f"{best.detail['card_update_device_s']:.2f} s on the card"
+        )
     pinned = best.detail.get("pinned_bytes", 0)
     host = best.host_bytes
     if host:
