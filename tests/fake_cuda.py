@@ -191,10 +191,11 @@ class StreamSimulator:
 
     # -------------------------------------------------------------- memory
     def device_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Mark `t`'s storage as device memory (a backend's alloc_device)."""
+        """Mark `t`'s storage as device memory (a backend's alloc_device), allocated on
+        the thread's current stream (the caching allocator's pool of that stream)."""
         with self._lock:
             s = t.untyped_storage()
-            self.device[s.data_ptr()] = _History(StorageWeakRef(s))
+            self.device[s.data_ptr()] = _History(StorageWeakRef(s), alloc=self.current().name)
         return t
 
     def record_stream(self, t: torch.Tensor, stream: str) -> None:
@@ -563,7 +564,7 @@ def install(monkeypatch) -> StreamSimulator:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.compute)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current())
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(sim))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", sim.on)

@@ -83,10 +83,13 @@ def test_card_update_equals_host_update_bit_for_bit(clip, update, order, accum, 
         assert torch.equal(got[name], tensor), name
 
 
-def test_some_units_on_the_card_the_rest_on_the_host_bit_for_bit():
-    host = _train(_config("none", 0.05, "exact", "unit", 2, 0))
-    mixed = _train(_config("1,3-4", 0.05, "exact", "unit", 2, 0))
-    assert mixed[2] == STEPS * 3
+@pytest.mark.parametrize("card,resident", [("1,3-4", 0), ("2-3", 3)])
+def test_some_units_on_the_card_the_rest_on_the_host_bit_for_bit(card, resident):
+    """Streamed units on either side; with 3 resident units, unit 1 is resident but
+    updated on the host (loaded once a step) beside units 2-3 kept on the card."""
+    host = _train(_config("none", 0.05, "exact", "unit", 2, resident))
+    mixed = _train(_config(card, 0.05, "exact", "unit", 2, resident))
+    assert mixed[2] == STEPS * 3 if card == "1,3-4" else STEPS * 2
     assert mixed[0] == host[0]
     for name, tensor in _flat(host[1]).items():
         assert torch.equal(_flat(mixed[1])[name], tensor), name
@@ -398,3 +401,25 @@ def test_a_state_chunk_reused_before_its_copy_landed_is_caught(monkeypatch):
     finally:
         engine.close()
     assert any("on the host reads" in v for v in sim.violations), sim.violations[:3]
+
+
+def test_the_update_runs_beside_the_compute_and_the_next_step_waits_for_it(monkeypatch):
+    """The update's kernels run on the side stream (the backward is not queued behind
+    them); a next step that did not wait for it (join_side forgotten) would read slots the
+    update may still be writing: caught."""
+    from atom.swap.backend import CudaBackend
+    from tests.fake_cuda import cuda_backend
+
+    cfg = _cuda_config("fp32", 0.0, "exact", 3)
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)
+    _cuda_train(cfg, backend, torch.float32, sim)
+    assert sim.violations == []
+    assert sim.clocks[backend.side.name][backend.side.name] > 100  # the update's ops
+    # only the kept units on the card: no later state copy happens to order the compute
+    # stream after their updates (a streamed unit's load waits on the copy stream, which
+    # waited on the side stream for its state's copies)
+    cfg.swap.card_update = "1-3"
+    monkeypatch.setattr(CudaBackend, "join_side", lambda self: None)
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)
+    _cuda_train(cfg, backend, torch.float32, sim)
+    assert any("reads" in v or "overwrites" in v for v in sim.violations), sim.violations[:3]

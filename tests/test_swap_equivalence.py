@@ -473,3 +473,42 @@ def test_sliding_window_attention_trains_swapped_as_resident():
         assert abs(a - b) <= 1e-5 * abs(b)
     for name, p in resident.named_parameters().items():
         assert rel_err(params[name], p) < 1e-5, name
+
+
+@pytest.mark.parametrize("cut", ["synchronize", "drain"])
+def test_a_second_ctrl_c_while_a_step_is_abandoned_leaves_no_unit_blocked(monkeypatch, cut):
+    """The first Ctrl+C abandons a step whose units wait for the step's end (clipping);
+    a second one lands in the abandon path's own waits (the device, the host worker):
+    it goes up once the cleaning is done, and nothing waits for updates never submitted
+    (it did: the save after it waited 10 minutes for the first such unit)."""
+    cfg = tiny_config(train={"grad_clip": 1.0})
+    engine = SwapEngine(cfg, CpuBackend(helper_threads=True), torch.float32)
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        before = {n: p.clone() for n, p in engine.named_parameters().items()}
+        asked = [0]
+
+        def stop() -> bool:  # in the backward, after some units' gradients were posted
+            asked[0] += 1
+            return asked[0] > len(engine.units) + 2
+
+        target = engine.backend if cut == "synchronize" else engine.worker
+        real = getattr(target, cut)
+        calls = [0]
+
+        def second_ctrl_c(*a, **kw):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(target, cut, second_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            engine.train_step(batches_for(1, cfg), 1e-3, stop=stop)
+        assert calls[0] >= 1
+        engine.store.wait_all_ready(timeout=10)  # raised after 10 s where a unit was blocked
+        after = engine.named_parameters()
+        assert all(torch.equal(after[n], p) for n, p in before.items())
+        assert engine.train_step(batches_for(2, cfg), 1e-3).loss > 0
+    finally:
+        engine.close()

@@ -22,16 +22,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from atom.swap.copy_thread import CopyWorker as _CopyWorker
+from atom.swap.copy_thread import held as _held
+from atom.swap.copy_thread import wait_events as _wait_events
 from atom.swap.malloc import keep_freed_blocks
 from atom.swap.units import aligned
-from atom.threads import start_helper
 
 log = logging.getLogger(__name__)
 
@@ -54,40 +55,6 @@ def done_transfer(result: torch.Tensor | None = None) -> Transfer:
     t = Transfer(result=result)
     t.issued.set()
     return t
-
-
-class _CopyWorker:
-    """One thread that runs copy jobs in submission order.
-
-    Jobs may block (waiting for the host optimizer to finish a unit), and that must never
-    block the thread that issues compute: that is why copies are issued from here."""
-
-    def __init__(self, name: str, threads: int = 1):
-        self._jobs: queue.Queue = queue.Queue()
-        # its torch ops: one copy at a time (CPU: a memcpy; CUDA: issuing a DMA)
-        self._thread = start_helper(self._run, name, threads)
-
-    def submit(self, job: Callable[[], None], transfer: Transfer) -> Transfer:
-        self._jobs.put((job, transfer))
-        return transfer
-
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, transfer = item
-            try:
-                job()
-            except BaseException as err:  # surfaced to the waiter, never swallowed
-                transfer.error = err
-                log.exception("copy job failed")
-            finally:
-                transfer.issued.set()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
 
 
 def _wait_issued(t: Transfer) -> None:
@@ -126,8 +93,23 @@ class Backend:
     pinned_bytes: int = 0  # page-locked host bytes this backend holds
 
     def record(self) -> object:
-        """A marker after the compute issued so far (used to guard slot reuse)."""
+        """A marker after the work issued so far on the current stream (the compute
+        stream, or the side stream inside `side_stream`): used to guard slot reuse."""
         raise NotImplementedError
+
+    @contextmanager
+    def side_stream(self):
+        """Device work that overlaps the compute stream's (the card update: memory-bound
+        kernels beside the backward's matmuls) runs in here, on a stream of its own that
+        starts after the compute issued so far; `record`, `wait_compute` and `d2h` inside
+        order against it. Without a device of its own (CPU): the body as it is."""
+        yield
+
+    def join_side(self) -> None:
+        """The compute stream waits for the side stream's work issued so far."""
+
+    def keep_for_side(self, t: torch.Tensor) -> None:
+        """`t`, made on the compute stream, is used on the side stream (record_stream)."""
 
     def h2d(
         self,
@@ -173,8 +155,7 @@ class Backend:
     def release_host(self, t: Transfer) -> None:
         pass
 
-    def staging_bytes(self) -> int | None:
-        """Bytes of the D2H staging pool (None: no pool, any transfer goes at once)."""
+    def staging_bytes(self) -> int | None:  # the D2H staging pool's (None: no pool)
         return None
 
     def offload(self, t: torch.Tensor) -> torch.Tensor:
@@ -264,32 +245,6 @@ class CpuBackend(Backend):
             self._copier.close()
 
 
-@contextmanager
-def _held(locks):
-    with ExitStack() as stack:
-        for lock in locks:
-            stack.enter_context(lock)
-        yield
-
-
-def _wait_events(events) -> float:
-    """Wait for every event (the host optimizer releasing a unit); seconds waited."""
-    if all(ev.is_set() for ev in events):
-        return 0.0
-    t0 = time.perf_counter()
-    for ev in events:
-        _wait_event(ev)
-    return time.perf_counter() - t0
-
-
-def _wait_event(ev: threading.Event) -> None:
-    waited = 0.0
-    while not ev.wait(timeout=5.0):
-        waited += 5.0
-        if waited >= 600:
-            raise RuntimeError("host optimizer did not release a unit within 10 minutes")
-
-
 class CudaBackend(Backend):
     """Copy stream for H2D, one for D2H, and the current stream for compute.
 
@@ -314,6 +269,7 @@ class CudaBackend(Backend):
         self.compute = torch.cuda.current_stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
         self.d2h_stream = torch.cuda.Stream(device)
+        self.side = torch.cuda.Stream(device)  # the card update (side_stream)
         self._copier = _CopyWorker("atom-h2d")
         # Why a fixed pool: unbounded staging would let D2H run ahead of the host optimizer
         # and grow pinned memory without limit. Why one unit, in chunks: three whole
@@ -368,10 +324,26 @@ class CudaBackend(Backend):
                 self._staging.put(buf)
         return bufs[: len(requests)]
 
-    def record(self) -> object:
+    @staticmethod
+    def _mark(stream) -> object:
         ev = torch.cuda.Event()  # waited for by streams only: no host thread blocks on it
-        ev.record(self.compute)
+        ev.record(stream)
         return ev
+
+    def record(self) -> object:
+        return self._mark(torch.cuda.current_stream(self.device))
+
+    @contextmanager
+    def side_stream(self):
+        self.side.wait_event(self._mark(self.compute))  # e.g. the gradient it reads is done
+        with torch.cuda.stream(self.side):
+            yield
+
+    def join_side(self) -> None:
+        self.compute.wait_event(self._mark(self.side))
+
+    def keep_for_side(self, t: torch.Tensor) -> None:
+        t.record_stream(self.side)
 
     def h2d(self, dst, src, after, host_ready, locks=()) -> Transfer:
         t = Transfer()
@@ -538,7 +510,7 @@ class CudaBackend(Backend):
 
     def wait_compute(self, t: Transfer) -> None:
         _wait_issued(t)
-        self.compute.wait_event(t.cuda_event)
+        torch.cuda.current_stream(self.device).wait_event(t.cuda_event)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -14,6 +14,10 @@ before this chunk's update runs (double-buffered):
     D2H (staging pool)  the new state, and the new compute copy of the weights where it is
                         not the master itself; the host worker lands each piece in place
 
+The update's kernels and its copies' waits run on a side stream (Backend.side_stream),
+so the backward of the next units goes on meanwhile; the next step's compute waits for
+the side stream before it reads a slot the update wrote (Backend.join_side).
+
 Bytes over the bus a parameter, each way: 12 in fp32 state (+ the compute copy down),
 about 4 in compact state (+2 for the bf16 master's copy up where the slot cannot supply
 it), against the host update's gradient down and nothing up.
@@ -126,8 +130,14 @@ class CardGradients:
         until now); at the unit's last run of the step, return the sum."""
         unit = self.units[u]
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
-        self.ledger.sub(sum(g.nbytes for g in grads))
         acc = self._acc.pop(u, None)
+        if acc is None and first and isinstance(p_grad, torch.Tensor):
+            # a run's fp32 sum, already flat in the unit's layout with zero padding: it
+            # becomes the sum itself (no second unit-sized fp32 buffer; the ledger counts it)
+            assert p_grad.dtype == torch.float32 and p_grad.numel() == unit.n_total
+            acc = p_grad
+            grads = []
+        self.ledger.sub(sum(g.nbytes for g in grads))
         if acc is None:  # zeros: the padding between parameters stays zero
             acc = torch.zeros(unit.n_total, dtype=torch.float32, device=self.backend.device)
             self.ledger.add(acc.nbytes)
@@ -135,9 +145,9 @@ class CardGradients:
             views = [acc]  # already flat in the unit's layout (a run's accumulator)
         else:
             views = [acc[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params]
-        if first:  # the host landing copies the first run and adds the others: so here
+        if grads and first:  # the host landing copies the first run, adds the others: so here
             torch._foreach_copy_(views, grads)
-        else:
+        elif grads:
             torch._foreach_add_(views, grads)
         if not last:
             self._acc[u] = acc
@@ -195,10 +205,14 @@ class CardUpdate:
 
         try:
             self._size_chunks(buf)
-            if self.store.compact:
-                self._compact(u, grad, coef, lr, slot, from_slot)
-            else:
-                self._fp32(u, grad, coef, lr, slot)
+            self.backend.keep_for_side(grad)
+            # beside the backward's compute, not in its queue: the compute stream would
+            # otherwise wait for each chunk's state to cross before the next unit's backward
+            with self.backend.side_stream():
+                if self.store.compact:
+                    self._compact(u, grad, coef, lr, slot, from_slot)
+                else:
+                    self._fp32(u, grad, coef, lr, slot)
             if slot is not None:
                 buf.changed = False  # the slot holds the new weights, as the host will
             handed_over = True

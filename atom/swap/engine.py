@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from atom.config import Config
-from atom.engine_protocol import EngineInfo, StepResult
+from atom.engine_protocol import StepResult
 from atom.errors import ConfigError
 from atom.model import build_model
 from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
@@ -184,8 +184,10 @@ class SwapEngine(EngineState):
             buf.ready.set()
 
     def _reload_changed(self) -> None:
-        """A unit kept on the device whose weights changed on the host since it was loaded
-        (a peer's merge, a checkpoint loaded) leaves its slot, so the step loads it anew."""
+        """Before a step: the card updates' writes to the slots are done (the side stream),
+        and a unit kept on the device whose weights changed on the host since (a peer's
+        merge, a checkpoint loaded) leaves its slot, so the step loads it anew."""
+        self.backend.join_side()
         for u in self.persistent:
             buf = self.store.buffers[u]
             if buf.changed and self.slots.has(u):
@@ -294,26 +296,35 @@ class SwapEngine(EngineState):
         host worker finishes what it was given, and units whose update was deferred to
         the end of the step are unblocked without one (their partial gradients are
         overwritten by the next step's first micro-batch). Without this, the next load or
-        checkpoint would wait for updates never submitted."""
-        try:
-            self.slots.release_all()
-        finally:
+        checkpoint would wait for updates never submitted. A second Ctrl+C in here (the
+        waits can be long) does not cut the cleaning short: it goes up once it is done."""
+        interrupt: KeyboardInterrupt | None = None
+
+        def attempt(step, what: str) -> None:
+            nonlocal interrupt
             try:
-                self.backend.synchronize()
-            except Exception:  # the error that ended the step may be the device's own
-                log.exception("device synchronize failed while abandoning a step")
-            if self.cfg.swap.checkpoint and self.cfg.swap.offload_activations:
-                for (u, _), x in st.saved.items():
-                    if u > 0:  # unit inputs past the embedding were offloaded
-                        self.backend.reclaim(x)
-            st.saved.clear()
-            self.card_grads.clear()  # the ledger goes back to the step's start below
-            try:
-                self.worker.drain()
-            except RuntimeError:
-                log.exception("host worker failed while abandoning a step")
-            self._unblock_all()
-            self.ledger.current = ledger_at_start
+                step()
+            except KeyboardInterrupt as err:
+                interrupt = interrupt or err
+            except Exception:  # the error that ended the step may be this one's own
+                log.exception("%s failed while abandoning a step", what)
+
+        attempt(self.slots.release_all, "freeing the device slots")
+        attempt(self.backend.synchronize, "device synchronize")
+        if self.cfg.swap.checkpoint and self.cfg.swap.offload_activations:
+            for (u, _), x in st.saved.items():
+                if u > 0:  # unit inputs past the embedding were offloaded
+                    self.backend.reclaim(x)
+        st.saved.clear()
+        self.card_grads.clear()
+        self.ledger.current = ledger_at_start
+        attempt(self.worker.drain, "the host worker")
+        # units whose update was deferred get none: unblocked after what the worker still
+        # holds (all of it, unless a Ctrl+C cut the drain short); a failed worker runs the
+        # cleanup at once
+        attempt(lambda: self.worker.submit(lambda: None, cleanup=self._unblock_all), "unblock")
+        if interrupt is not None:
+            raise interrupt
 
     def _forward_unit(self, u: int, m: int, flat, h, saved: dict, docs) -> torch.Tensor:
         if self.cfg.swap.checkpoint:
@@ -562,25 +573,6 @@ class SwapEngine(EngineState):
         finally:
             self.slots.release_all(keep=self.persistent)
         return float(total) / sum(weights)
-
-    @property
-    def device(self) -> torch.device:
-        return self.backend.device
-
-    def info(self) -> EngineInfo:
-        s, tier = self.cfg.swap, self.tier
-        mode = f"swapped: {len(self.units)} units, {s.layers_per_unit} layer(s)/unit, " \
-               f"prefetch {s.prefetch}"  # fmt: skip
-        disk = (
-            f"{tier.disk_bytes / 2**30:.2f} GiB on disk in {tier.dir}"
-            + ("" if tier.direct else " (buffered: this filesystem refuses O_DIRECT)")
-            if tier
-            else ""
-        )
-        return EngineInfo(mode, self.backend.pinned_bytes, disk)
-
-    def device_peak_bytes(self) -> int:
-        return self.backend.peak_allocated() or self.ledger.peak
 
     def close(self) -> None:
         """Finish the host work, then release the device slots and the pinned memory at

@@ -11,14 +11,14 @@ from collections.abc import Callable
 
 import torch
 
-from atom.engine_protocol import SharedUnit
+from atom.engine_protocol import EngineInfo, SharedUnit
 from atom.optim import STATE_KEYS
 from atom.swap.host_store import gather_owned
 
 
 class EngineState:
-    """Mixed into SwapEngine, which provides store, optimizers, worker, scaler and
-    eager_clip."""
+    """Mixed into SwapEngine, which provides store, optimizers, worker, scaler,
+    eager_clip, backend, ledger, tier, units and cfg."""
 
     def wait_idle(self) -> None:
         self.worker.drain()
@@ -83,3 +83,25 @@ class EngineState:
     def shared_units(self) -> list[SharedUnit]:
         """Every unit's weights, for peers to average (under the units' locks)."""
         return [self.store.shared_unit(i) for i in range(len(self.units))]
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def info(self) -> EngineInfo:
+        s, tier = self.cfg.swap, self.tier
+        mode = f"swapped: {len(self.units)} units, {s.layers_per_unit} layer(s)/unit, " \
+               f"prefetch {s.prefetch}"  # fmt: skip
+        if self.card_units:
+            kept = f", {len(self.persistent)} kept there across steps" if self.persistent else ""
+            mode += f"; {len(self.card_units)} updated on the device{kept}"
+        disk = (
+            f"{tier.disk_bytes / 2**30:.2f} GiB on disk in {tier.dir}"
+            + ("" if tier.direct else " (buffered: this filesystem refuses O_DIRECT)")
+            if tier
+            else ""
+        )
+        return EngineInfo(mode, self.backend.pinned_bytes, disk)
+
+    def device_peak_bytes(self) -> int:
+        return self.backend.peak_allocated() or self.ledger.peak
