@@ -81,6 +81,18 @@ def card_units(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
     return frozenset(chosen)
 
 
+def card_pinned_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
+    """Host state the engine page-locks for units updated on the card (HostStore and
+    swap/unit_optimizers.py): the moments, the remainder, and the master where it is not
+    the compute copy."""
+    compact = c.state == "compact"
+    master_dtype = torch.bfloat16 if compact else torch.float32
+    per = 4 + 8 / 256 if compact else 8  # remainder + codes + scales; or two fp32 moments
+    if dtype != master_dtype:
+        per += dtype_bytes(master_dtype)
+    return int(sum(a.units[u].n_owned * per for u in card_units(a, c)))
+
+
 def resident_set(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
     """swap.resident_units as indices: the block units nearest the head."""
     n = len(a.units)
@@ -461,12 +473,13 @@ def predict(
             ),
             "disk_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
             "disk_io_s": disk_io,
-            # page-locked on CUDA: every unit's compute copy, the D2H staging pool and
-            # the offloaded unit inputs' buffers
+            # page-locked on CUDA: every unit's compute copy, the D2H staging pool, the
+            # offloaded unit inputs' buffers, and the state of units updated on the card
             "pinned_bytes": (
                 sum(u.n_total for u in units) * dt
                 + staging_bytes(a, c, dtype)
                 + (offloaded_bytes(a, c, dtype) if c.offload_activations else 0)
+                + card_pinned_bytes(a, c, dtype)
             )
             if cuda
             else 0,

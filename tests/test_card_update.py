@@ -423,3 +423,29 @@ def test_the_update_runs_beside_the_compute_and_the_next_step_waits_for_it(monke
     backend, sim = cuda_backend(monkeypatch, 1 << 15)
     _cuda_train(cfg, backend, torch.float32, sim)
     assert any("reads" in v or "overwrites" in v for v in sim.violations), sim.violations[:3]
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_the_state_of_units_updated_on_the_card_is_page_locked(monkeypatch, state):
+    """Their state crosses the bus every step: the master (where it is not the compute
+    copy), the remainder and the moments are page-locked beside the compute copies (the
+    profiler prices these copies at the pinned rate)."""
+    from tests.fake_cuda import cuda_backend
+
+    dtype = torch.bfloat16 if state == "compact" else torch.float32
+    pinned = {}
+    for card in ("none", "all"):
+        cfg = _cuda_config(state, 0.0, "exact", 0)
+        cfg.swap.card_update = card
+        backend, _ = cuda_backend(monkeypatch, 1 << 15)
+        engine = SwapEngine(cfg, backend, dtype)
+        try:
+            pinned[card] = backend.pinned_bytes
+            n = sum(engine.units[u].n_owned for u in engine.card_units)
+        finally:
+            engine.close()
+    # fp32: two fp32 moments (the master is the fp32 compute copy, pinned already);
+    # compact: remainder 2 + two 1-byte codes (+ scales); the master is the bf16 copy
+    per = 8 if state == "fp32" else 4
+    extra = pinned["all"] - pinned["none"]
+    assert per * n <= extra <= per * n * 1.05 + 64 * 4096, (extra, per * n)

@@ -114,7 +114,9 @@ class CompactAdamW:
     owned parameters, the first `n_decay` of them decayed); the moments live here. `step`
     reads the gradient, applies `coef` (the clip coefficient), and writes master/rem and
     the moments in place. paged: master, rem and the moments are placeholders that the
-    disk tier points into a RAM slot around each update (`regions` lays them out)."""
+    disk tier points into a RAM slot around each update (`regions` lays them out).
+    `moments`: buffers to hold the codes and scales (page-locked, for a unit updated on
+    the device)."""
 
     def __init__(
         self,
@@ -127,6 +129,7 @@ class CompactAdamW:
         scratch: ChunkScratch,
         paged: bool = False,
         compiled: CompiledChunkUpdate | None = None,
+        moments: tuple[torch.Tensor, ...] | None = None,
     ):
         self.master, self.rem, self.grad = master, rem, grad
         self.n = n
@@ -139,6 +142,10 @@ class CompactAdamW:
         # decode to zero just the same
         self.m_scales = torch.full((p // BLOCK,), TINY)
         self.s_scales = torch.full((p // BLOCK,), TINY)
+        if moments is not None:  # m codes, sqrt(v) codes, their scales: as above, in place
+            self.m_codes, self.s_codes, self.m_scales, self.s_scales = moments
+            self.m_codes.zero_(), self.s_codes.zero_()
+            self.m_scales.fill_(TINY), self.s_scales.fill_(TINY)
         self.steps = 0
         self.scratch = scratch
         self.compiled = compiled  # whole chunks, where it compiles (atom/compact_kernel.py)

@@ -95,7 +95,8 @@ class TorchUnitOptimizer:
 
     paged: master is a placeholder the disk tier points into a RAM slot around each update
     (atom/swap/disk_tier.py); the moments are placeholders too, created up front so that
-    `regions` can name them."""
+    `regions` can name them. `moments`: flat (exp_avg, exp_avg_sq) buffers to hold the
+    state (page-locked ones, for a unit updated on the device), zeroed here."""
 
     def __init__(
         self,
@@ -105,6 +106,7 @@ class TorchUnitOptimizer:
         n_decay: int,
         cfg: TrainConfig,
         paged: bool = False,
+        moments: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         self.n_owned, self.n_decay = n_owned, n_decay
         self.master = master
@@ -124,6 +126,13 @@ class TorchUnitOptimizer:
                 state["step"] = torch.tensor(0.0)
                 for key in STATE_KEYS:
                     state[key] = torch.empty(0)
+        elif moments is not None:  # as torch would make them at the first step, in place
+            for p in self._params:
+                at = 0 if p is self.decay else n_decay
+                state = self.opt.state[p]
+                state["step"] = torch.tensor(0.0)
+                for key, flat in zip(STATE_KEYS, moments, strict=True):
+                    state[key] = flat[at : at + p.numel()].zero_()
 
     def regions(self) -> list:
         """The unit's cold state for the disk tier: master (with the two group views of

@@ -34,9 +34,6 @@ from atom.errors import ConfigError
 from atom.model import build_model
 from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
 from atom.model.documents import micro_batch
-from atom.optim import TorchUnitOptimizer
-from atom.optim.compact import ChunkScratch, CompactAdamW
-from atom.optim.compact_kernel import CompiledChunkUpdate
 from atom.swap.backend import Backend
 from atom.swap.card_update import CardGradients, CardUpdate, parse_units
 from atom.swap.disk_tier import DiskTier, UnitRecord
@@ -47,6 +44,7 @@ from atom.swap.landing import GradientLanding, crossing_dtype
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan, StepState
 from atom.swap.slots import DeviceSlots, Held, MemoryLedger, params_saved_by_slot
+from atom.swap.unit_optimizers import unit_optimizers
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
 from atom.threads import host_worker_threads
@@ -90,8 +88,10 @@ class SwapEngine(EngineState):
             max(u.n_total for u in self.units), max(crossing, key=lambda d: d.itemsize)
         )
         paged = cfg.swap.disk_dir is not None
-        self.store = HostStore(self.units, backend, compute_dtype, cfg.swap.state, paged)
-        self.optimizers = self._make_optimizers()
+        self.store = HostStore(
+            self.units, backend, compute_dtype, cfg.swap.state, paged, frozenset(self.card_units)
+        )
+        self.optimizers = unit_optimizers(cfg, self.store, backend, self.card_units)
         self.tier: DiskTier | None = None
         if paged:
             records = [UnitRecord(opt.regions()) for opt in self.optimizers]
@@ -151,33 +151,6 @@ class SwapEngine(EngineState):
             self.cfg.swap.update = update
             self.timing = resolve_timing(update, self.cfg.train.grad_clip, self.scaler is not None)
             self._norm_sq = [0.0] * len(self.units)
-
-    def _make_optimizers(self) -> list[TorchUnitOptimizer | CompactAdamW]:
-        """One host optimizer per unit, over its flat master (decayed parameters first)."""
-        train, bufs, paged = self.cfg.train, self.store.buffers, self.store.paged
-        if not self.store.compact:
-            return [
-                TorchUnitOptimizer(b.master, b.grad, b.spec.n_owned, b.spec.n_decay, train, paged)
-                for b in bufs
-            ]
-        scratch = ChunkScratch(max(b.spec.n_owned for b in bufs))
-        fused = (
-            CompiledChunkUpdate(train.beta1, train.beta2) if self.cfg.swap.compile_update else None
-        )
-        return [
-            CompactAdamW(
-                b.master,
-                b.rem,
-                b.grad,
-                b.spec.n_owned,
-                b.spec.n_decay,
-                train,
-                scratch,
-                paged,
-                fused,
-            )  # fmt: skip
-            for b in bufs
-        ]
 
     def _unblock_all(self) -> None:
         for buf in self.store.buffers:

@@ -69,7 +69,11 @@ class HostStore:
         compute_dtype: torch.dtype,
         state: str = "fp32",
         paged: bool = False,
+        card: frozenset[int] = frozenset(),
     ):
+        """`card`: units updated on the device, whose master (and remainder) cross the bus
+        for their update too: page-locked with the compute copies (pageable memory copies
+        at a fraction of the bus's rate)."""
         self.units = units
         self.compute_dtype = compute_dtype
         self.compact = state == "compact"
@@ -83,17 +87,29 @@ class HostStore:
             compute_dtype == self.master_dtype and u.n_total == u.n_owned and not paged
             for u in units
         ]
-        bus = backend.alloc_host_many(
-            [
-                (u.n_owned, self.master_dtype) if same else (u.n_total, compute_dtype)
-                for u, same in zip(units, shares, strict=True)
-            ]
-        )
-        for spec, same, on_bus in zip(units, shares, bus, strict=True):
+        requests = [
+            (u.n_owned, self.master_dtype) if same else (u.n_total, compute_dtype)
+            for u, same in zip(units, shares, strict=True)
+        ]
+        crossing: dict[tuple[int, str], int] = {}  # (unit, what) -> index in requests
+        for u, same in zip(units, shares, strict=True):
+            if u.index in card and not paged:
+                if not same:
+                    crossing[u.index, "master"] = len(requests)
+                    requests.append((u.n_owned, self.master_dtype))
+                if self.compact:
+                    crossing[u.index, "rem"] = len(requests)
+                    requests.append((u.n_owned, torch.int16))
+        bus = backend.alloc_host_many(requests)
+        for spec, same, on_bus in zip(units, shares, bus[: len(units)], strict=True):
             n = 0 if paged else spec.n_owned  # paged: placeholders until the tier points them
             master = on_bus if same else torch.empty(n, dtype=self.master_dtype)
+            if (spec.index, "master") in crossing:
+                master = bus[crossing[spec.index, "master"]]
             grad = torch.zeros(spec.n_total, dtype=self.master_dtype)
             rem = torch.zeros(n, dtype=torch.int16) if self.compact else None
+            if (spec.index, "rem") in crossing:
+                rem = bus[crossing[spec.index, "rem"]].zero_()
             buf = UnitBuffers(spec, master, grad, on_bus, rem)
             buf.ready.set()
             self.buffers.append(buf)
