@@ -130,3 +130,36 @@ def test_the_engine_compiles_only_when_asked(compile_update):
     finally:
         engine.close()
     assert kinds == ({CompiledChunkUpdate} if compile_update else {type(None)})
+
+
+def test_the_engine_compiles_the_update_at_its_start_on_its_own_thread():
+    """A unit of a whole chunk or more: the update compiles while the engine is built, on
+    the thread that builds it (the training thread), not on the host worker during the
+    first step (Dynamo is not thread-safe; the first update stalled for the compile)."""
+    import threading
+
+    from atom.swap.backend import CpuBackend
+    from atom.swap.engine import SwapEngine
+    from tests.conftest import tiny_config
+
+    seen = []
+    real = CompiledChunkUpdate.__call__
+
+    def spy(self, *args):
+        seen.append(threading.current_thread().name)
+        return real(self, *args)
+
+    # an embedding of 4096 x 256: one whole chunk
+    cfg = tiny_config(model={"vocab_size": 4096, "d_model": 256, "tie_embeddings": False},
+                      swap={"state": "compact", "compile_update": True})  # fmt: skip
+    CompiledChunkUpdate.__call__ = spy
+    try:
+        engine = SwapEngine(cfg, CpuBackend(helper_threads=True), torch.float32)
+        try:
+            fused = engine.optimizers[0].compiled
+            assert fused.compile_s is not None  # compiled before any step
+            assert seen == [threading.current_thread().name]
+        finally:
+            engine.close()
+    finally:
+        CompiledChunkUpdate.__call__ = real

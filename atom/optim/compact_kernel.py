@@ -85,6 +85,18 @@ class CompiledChunkUpdate:
         self._update = self._encode = None
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def prepare(self, numel: int) -> None:
+        """Compile now, on the calling thread, for chunks of `numel` elements (on stand-in
+        tensors): the engine calls it at its start, on the training thread. Compiled on the
+        host worker during the first step instead, Dynamo (not thread-safe) ran beside the
+        training thread's compiled blocks, and the first update stalled for the compile."""
+        if self.compile_s is not None or not self.available:
+            return
+        zeros = [torch.zeros(numel, dtype=d) for d in (torch.bfloat16, torch.bfloat16, torch.int16)]
+        codes = [torch.zeros(numel, dtype=torch.uint8), torch.full((numel // BLOCK,), TINY)]
+        scalars = tuple(torch.tensor(x) for x in (1.0, 1e-3, 1.0, 0.0))
+        self(*zeros, *codes, *[c.clone() for c in codes], scalars)
+
     def __call__(self, grad, master, rem, m_codes, m_scales, s_codes, s_scales,
                  scalars: tuple[torch.Tensor, ...]) -> bool:  # fmt: skip
         if not self.available:

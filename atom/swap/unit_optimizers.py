@@ -9,7 +9,7 @@ import torch
 
 from atom.config import Config
 from atom.optim import TorchUnitOptimizer
-from atom.optim.compact import BLOCK, ChunkScratch, CompactAdamW, padded
+from atom.optim.compact import BLOCK, CHUNK, ChunkScratch, CompactAdamW, padded
 from atom.optim.compact_kernel import CompiledChunkUpdate
 from atom.swap.backend import Backend
 from atom.swap.host_store import HostStore
@@ -36,6 +36,9 @@ def unit_optimizers(
         ]
     scratch = ChunkScratch(max(b.spec.n_owned for b in bufs))
     fused = CompiledChunkUpdate(train.beta1, train.beta2) if cfg.swap.compile_update else None
+    if fused is not None and any(b.spec.n_owned >= CHUNK and b.spec.index not in card
+                                 for b in bufs):  # fmt: skip
+        fused.prepare(CHUNK)  # here, on the training thread, not in the first step
     return [
         CompactAdamW(
             b.master,
