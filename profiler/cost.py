@@ -116,18 +116,19 @@ def card_state_bytes(
 
     fp32 state: master and both moments each way (12 bytes a parameter), and down the
     compute copy where it is not the master. compact: up the 16-bit remainder and the two
-    8-bit moments with their block scales (the bf16 master comes from the unit's device
-    slot, in a bf16 step; else up too); down the bf16 master, remainder and moments, but
-    not the master of a unit kept on the card across steps in a bf16 step (its new weights
-    stay in its slot). Other compute dtypes also bring the compute copy down."""
+    8-bit moments with their block scales, and the bf16 master except for a unit kept on
+    the card across steps in a bf16 step (read from its slot); down the bf16 master (the
+    host's copy stays current for checkpoints and peers), remainder and moments. Other
+    compute dtypes also bring the compute copy down. As atom/swap/card_update.py moves
+    them."""
     n = u.n_total
     dt = dtype_bytes(dtype)
     if state == "compact":
         blocks = padded(n)
         moments = 2 * blocks + 2 * 4 * blocks // BLOCK  # two code arrays, two scale arrays
         bf16 = dtype == torch.bfloat16
-        up = 2 * n + moments + (0 if bf16 else 2 * n)
-        down = 2 * n + moments + (0 if bf16 and persistent else 2 * n) + (0 if bf16 else dt * n)
+        up = 2 * n + moments + (0 if bf16 and persistent else 2 * n)
+        down = 2 * n + moments + 2 * n + (0 if bf16 else dt * n)
         return float(up), float(down)
     copy = 0 if dtype == torch.float32 else dt * n
     return 12.0 * n, 12.0 * n + copy

@@ -18,9 +18,10 @@ The update's kernels and its copies' waits run on a side stream (Backend.side_st
 so the backward of the next units goes on meanwhile; the next step's compute waits for
 the side stream before it reads a slot the update wrote (Backend.join_side).
 
-Bytes over the bus a parameter, each way: 12 in fp32 state (+ the compute copy down),
-about 4 in compact state (+2 for the bf16 master's copy up where the slot cannot supply
-it), against the host update's gradient down and nothing up.
+Bytes over the bus a parameter: 12 each way in fp32 state (+ the compute copy down); in
+compact state about 4 up (+2 for the bf16 master where the slot cannot supply it) and 6
+down (the master comes back so the host's copy stays current), against the host update's
+gradient down and nothing up.
 
 The unit's lock is held from the first read of its state until the last piece has
 landed (a peer's merge in between would be overwritten, lost), and its `ready` event is
