@@ -449,3 +449,11 @@ def test_the_state_of_units_updated_on_the_card_is_page_locked(monkeypatch, stat
     per = 8 if state == "fp32" else 4
     extra = pinned["all"] - pinned["none"]
     assert per * n <= extra <= per * n * 1.05 + 64 * 4096, (extra, per * n)
+
+
+def test_a_single_unit_from_the_command_line_is_a_unit_list():
+    """`--set swap.card_update=3`: YAML reads 3 as a number; it names unit 3."""
+    from atom.config import load_config
+
+    cfg = load_config(None, ["swap.card_update=3", "model.tie_embeddings=false"])
+    assert cfg.swap.card_update == "3"

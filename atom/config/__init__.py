@@ -360,6 +360,9 @@ def _build_section(factory, section: str, values: dict[str, Any]):
                 value = values[key] = float(value)
             except ValueError:
                 pass
+        if hints[key] is str and isinstance(value, int) and not isinstance(value, bool):
+            # a word that YAML read as a number: swap.card_update=5 names unit 5
+            value = values[key] = str(value)
         if not _type_ok(value, hints[key]):
             expected = str(hints[key]).replace("<class '", "").replace("'>", "")
             raise ConfigError(f"{section}.{key} must be {expected}, got {value!r}")
