@@ -460,6 +460,16 @@ def test_a_joiner_with_no_key_or_a_wrong_one_is_told_at_once(group, tmp_path, ca
             assert time.monotonic() - t0 < 5, f"waited for the join timeout: {needle}"
             assert member.endpoint in str(err.value) and "\n" not in str(err.value)
         wait_until(lambda: "refused 127.0.0.1: its key" in caplog.text, 5, "the denied address")
+        # The keyless joiner may hang up before the member has read its greeting (it sees
+        # the member's mechanism first and gives up at once): the member then saw a
+        # connection close mid-handshake, nothing to say (about 1 run in 6 here). Join
+        # again, a bounded number of times, until the member has seen one whole greeting.
+        for _ in range(5):
+            if "refused a connection without a group key" in caplog.text:
+                break
+            with pytest.raises(GossipError):
+                group("x", seed=5, join=a.endpoint, join_timeout_s=20.0, group_key="")
+            time.sleep(0.2)
     assert "refused a connection without a group key" in caplog.text
     assert "refused a connection with another group's key" in caplog.text
     # a watch that hung up mid-handshake (the joiners' own) is no refusal
