@@ -593,6 +593,26 @@ def install(monkeypatch) -> StreamSimulator:
     return sim
 
 
+def release_staging_early(monkeypatch) -> None:
+    """Plant a race: CudaBackend.d2h hands its staging chunks back as soon as their copies
+    are issued (at the front of the pool: the very next copy takes them), so the next copy
+    overwrites them while the landing that owns them has not read them."""
+    from atom.swap.backend import CudaBackend
+
+    real_d2h = CudaBackend.d2h
+
+    def early_release(self, src, after=None, abort=None, dtype=None):
+        t = real_d2h(self, src, after, abort, dtype)
+        with self._staging.not_empty:
+            for buf in t.held:
+                self._staging.queue.appendleft(buf)
+            self._staging.not_empty.notify()
+        t.held = []
+        return t
+
+    monkeypatch.setattr(CudaBackend, "d2h", early_release)
+
+
 def cuda_backend(monkeypatch, staging_numel: int, dtype=torch.float32, watch_host: bool = True):
     """A real CudaBackend over the fake torch.cuda, computing on the CPU; (backend, sim).
     With `watch_host`, the engine's host worker runs under `sim.host_watch()`."""

@@ -375,21 +375,9 @@ def test_an_update_that_does_not_wait_for_its_state_copy_is_caught(monkeypatch):
 def test_a_state_chunk_reused_before_its_copy_landed_is_caught(monkeypatch):
     """The staging chunks of the state's D2H go back to the pool at once: the next copy
     overwrites host memory the landing has not read."""
-    from atom.swap.backend import CudaBackend
-    from tests.fake_cuda import cuda_backend
+    from tests.fake_cuda import cuda_backend, release_staging_early
 
-    real_d2h = CudaBackend.d2h
-
-    def early_release(self, src, after=None, abort=None, dtype=None):
-        t = real_d2h(self, src, after, abort, dtype)
-        with self._staging.not_empty:
-            for buf in t.held:
-                self._staging.queue.appendleft(buf)
-            self._staging.not_empty.notify()
-        t.held = []
-        return t
-
-    monkeypatch.setattr(CudaBackend, "d2h", early_release)
+    release_staging_early(monkeypatch)
     cfg = _cuda_config("fp32", 0.0, "exact", 0)
     backend, sim = cuda_backend(monkeypatch, 1 << 16)
     sim.copy_delay_s = 0.2  # the landing sleeps in its wait while the next copy is issued

@@ -28,7 +28,7 @@ from atom.optim import lr_at
 from atom.swap.backend import CpuBackend, CudaBackend
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config
-from tests.fake_cuda import FakeEvent, cuda_backend
+from tests.fake_cuda import FakeEvent, cuda_backend, release_staging_early
 from tests.test_swap_equivalence import batches_for, rel_err
 
 
@@ -288,18 +288,7 @@ def test_a_planted_read_before_the_copy_completes_is_caught(monkeypatch):
 def test_a_planted_reuse_of_a_staging_chunk_is_caught(monkeypatch):
     """d2h hands its staging chunks back as soon as their copies are issued: the next
     gradient copy overwrites them while the landing that owns them has not read them."""
-    real_d2h = CudaBackend.d2h
-
-    def early_release(self, src, after=None, abort=None, dtype=None):
-        t = real_d2h(self, src, after, abort, dtype)
-        with self._staging.not_empty:  # back at the front: the very next copy takes them
-            for buf in t.held:
-                self._staging.queue.appendleft(buf)
-            self._staging.not_empty.notify()
-        t.held = []
-        return t
-
-    monkeypatch.setattr(CudaBackend, "d2h", early_release)
+    release_staging_early(monkeypatch)
     # the landing sleeps in its wait while the next copy is issued
     sim = _one_late_step(monkeypatch, _config(train={"grad_clip": 0.0}), delay=0.2)
     assert any("on the host reads" in v for v in sim.violations), sim.violations[:3]

@@ -101,6 +101,15 @@ def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
     return chosen
 
 
+def _padded(t: torch.Tensor, span: int) -> torch.Tensor:
+    """`t` itself when it is `span` long, else a zero-padded copy of that length."""
+    if t.numel() == span:
+        return t
+    out = torch.zeros(span, dtype=t.dtype, device=t.device)
+    out[: t.numel()] = t
+    return out
+
+
 def _scatter(piece: torch.Tensor, offset: int, dests: list[torch.Tensor]) -> None:
     """Bytes [offset, offset + len(piece)) of a packed transfer into the byte views
     `dests`, laid back to back in the packing's order."""
@@ -180,7 +189,7 @@ class CardUpdate:
         assert chunk % BLOCK == 0
         self.backend, self.store, self.optimizers = backend, store, optimizers
         self.worker, self.ledger = worker, ledger
-        self.chunk_limit = self.chunk = chunk  # chunk: the size in use (_size_chunks)
+        self.chunk_limit = chunk  # at most; fewer where the staging pool is small (_chunk)
         self.updates = 0
         self.bytes_up = self.bytes_down = 0  # state over the bus (benchmarks, tests)
 
@@ -205,15 +214,15 @@ class CardUpdate:
             buf.lock.release()
 
         try:
-            self._size_chunks(buf)
+            chunk = self._chunk(buf)
             self.backend.keep_for_side(grad)
             # beside the backward's compute, not in its queue: the compute stream would
             # otherwise wait for each chunk's state to cross before the next unit's backward
             with self.backend.side_stream():
                 if self.store.compact:
-                    self._compact(u, grad, coef, lr, slot, from_slot)
+                    self._compact(u, grad, coef, lr, chunk, slot, from_slot)
                 else:
-                    self._fp32(u, grad, coef, lr, slot)
+                    self._fp32(u, grad, coef, lr, chunk, slot)
             if slot is not None:
                 buf.changed = False  # the slot holds the new weights, as the host will
             handed_over = True
@@ -224,26 +233,26 @@ class CardUpdate:
             raise
         self.updates += 1
 
-    def _size_chunks(self, buf) -> None:
-        """Elements per chunk: DEVICE_CHUNK, or fewer where two chunks' packed state would
+    def _chunk(self, buf) -> int:
+        """Elements per chunk: `chunk_limit`, or fewer where two chunks' packed state would
         not fit the D2H staging pool (a small model's pool is one small unit's gradient)."""
         per = 6 if self.store.compact else 12  # state bytes back per element
         if not buf.compute_is_master:
             per += buf.compute.element_size()
         pool = self.backend.staging_bytes()
         fits = DEVICE_CHUNK if pool is None else pool // 2 // (per + 1)  # +1: block scales
-        self.chunk = min(self.chunk_limit, max(BLOCK, fits // BLOCK * BLOCK))
+        return min(self.chunk_limit, max(BLOCK, fits // BLOCK * BLOCK))
 
     # ------------------------------------------------------------------ state formats
-    def _fp32(self, u: int, grad: torch.Tensor, coef: float, lr: float, slot) -> None:
+    def _fp32(self, u: int, grad: torch.Tensor, coef: float, lr: float, chunk: int, slot) -> None:
         buf = self.store.buffers[u]
         step, groups = self.optimizers[u].begin_card_step()
         itemsize = buf.master.element_size()
         pieces = []
         for p, m, v, wd, betas in groups:
             base = (p.data_ptr() - buf.master.data_ptr()) // itemsize
-            for start in range(0, p.numel(), self.chunk):
-                end = min(p.numel(), start + self.chunk)
+            for start in range(0, p.numel(), chunk):
+                end = min(p.numel(), start + chunk)
                 pieces.append((base, start, end, p, m, v, wd, betas))
 
         def host_of(piece) -> list[torch.Tensor]:
@@ -266,44 +275,45 @@ class CardUpdate:
         self._stream(pieces, host_of, update)
 
     def _compact(
-        self, u: int, grad: torch.Tensor, coef: float, lr: float, slot, from_slot: bool
+        self, u: int, grad: torch.Tensor, coef: float, lr: float, chunk: int, slot, from_slot: bool
     ) -> None:
         buf, opt = self.store.buffers[u], self.optimizers[u]
         cfg = opt.cfg
         opt.steps += 1
         betas = (cfg.beta1, cfg.beta2)
         scalars = compact_scalars(coef, lr, opt.steps, betas, cfg.weight_decay, grad.device)
-        pieces = [(s, min(opt.n, s + self.chunk)) for s in range(0, opt.n, self.chunk)]
+        pieces = [(s, min(opt.n, s + chunk)) for s in range(0, opt.n, chunk)]
+        # the master's upper half read from the unit's bf16 slot: it does not cross up
+        slot_master = from_slot and slot.dtype == torch.bfloat16
 
-        def host_of(piece) -> list[torch.Tensor]:
+        def state_of(piece) -> list[torch.Tensor]:  # up and back: remainder, codes, scales
             start, end = piece
             span = padded(end - start)
             blocks = slice(start // BLOCK, (start + span) // BLOCK)
-            master = [] if from_slot and slot.dtype == torch.bfloat16 else [buf.master[start:end]]
             return [
-                *master, buf.rem[start:end],
+                buf.rem[start:end],
                 opt.m_codes[start : start + span], opt.m_scales[blocks],
                 opt.s_codes[start : start + span], opt.s_scales[blocks],
             ]  # fmt: skip
 
+        def host_of(piece) -> list[torch.Tensor]:
+            start, end = piece
+            return ([] if slot_master else [buf.master[start:end]]) + state_of(piece)
+
         def update(piece, dev: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             start, end = piece
             n, span = end - start, padded(end - start)
-            if len(dev) == 5:  # the master's upper half is the bf16 slot's
-                dev = [slot[start:end], *dev]
-            master, rem, *codes = dev
-            # whole blocks: the tail pads with a zero gradient (its moments stay zero)
-            g = torch.zeros(span, device=grad.device)
-            g[:n] = grad[start:end]
-            w = torch.zeros(span, dtype=master.dtype, device=master.device)
-            r = torch.zeros(span, dtype=rem.dtype, device=rem.device)
-            w[:n], r[:n] = master, rem
+            master = slot[start:end] if slot_master else dev[0]
+            rem, *codes = dev[-5:]
+            # whole blocks: a short last chunk pads with a zero gradient (its moments stay
+            # zero); a whole one is updated where it lies (in the slot, for its master)
+            g, w, r = (_padded(t, span) for t in (grad[start:end], master, rem))
             decayed = max(0, min(n, opt.n_decay - start))
             compact_chunk(g, w, r, *codes, scalars, betas, decayed if cfg.weight_decay else 0)
-            if slot is not None:
+            if slot is not None and not (slot_master and n == span):
                 slot[start:end].copy_(w[:n])
             out = [w[:n], r[:n], *codes]
-            host = [buf.master[start:end], *host_of(piece)[-5:]]
+            host = [buf.master[start:end], *state_of(piece)]
             return list(zip(out, host, strict=True)) + self._compute_copy(buf, w[:n], start, end)
 
         self._stream(pieces, host_of, update)

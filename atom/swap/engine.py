@@ -79,11 +79,10 @@ class SwapEngine(EngineState):
         except ValueError as err:
             raise ConfigError(str(err)) from None
         # before any host memory: the widest of what crosses, gradients as computed or the
-        # fp32 sums of several micro-batches (and the card update's fp32 state)
+        # fp32 sums of several micro-batches (the card update's state crosses as bytes in
+        # chunks sized to this pool)
         compact = cfg.swap.state == "compact"
         crossing = [crossing_dtype(d, compact) for d in (compute_dtype, torch.float32)]
-        if self.card_units:
-            crossing.append(torch.float32)
         backend.size_staging(
             max(u.n_total for u in self.units), max(crossing, key=lambda d: d.itemsize)
         )
