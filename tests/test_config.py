@@ -61,7 +61,11 @@ def test_overrides_type_themselves():
         (["train.lr=-1"], "lr"),
         (["model.arch=rnn"], "arch"),
         (["train.nope=1"], "unknown --set key train.nope"),
-        (["trian.lr=1"], "did you mean 'train'"),
+        (["trian.lr=1"], "did you mean 'train.lr'?"),
+        (["trian.xyzzy=1"], "did you mean 'train'?"),
+        # issue 42: a typo is answered with the whole key --set takes, not a bare 'lr'
+        (["train.lrr=1"], "unknown --set key train.lrr; did you mean 'train.lr'?"),
+        (["lr=1"], "got 'lr'; did you mean 'train.lr'?"),
         (["model.n_head"], "section.key=value"),
         (["model.n_layer=two"], "n_layer"),
     ],
@@ -82,7 +86,7 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("model: {n_layers: 2}\n")
-    with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
+    with pytest.raises(ConfigError, match="did you mean 'model.n_layer'"):
         load_config(unknown)
 
 

@@ -320,9 +320,28 @@ class Config:
             raise ConfigError(str(err)) from None
 
 
-def _suggest(name: str, options) -> str:
+def _suggest(name: str, options, section: str = "") -> str:
+    """The closest of `options`, named whole ("'train.lr'", as --set takes it)."""
     close = difflib.get_close_matches(name, list(options), n=1)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(options)}"
+    prefix = f"{section}." if section else ""
+    return f"; did you mean {prefix + close[0]!r}?" if close else f"; valid: {', '.join(options)}"
+
+
+def _key_of_any_section(key: str, section: str | None = None) -> str:
+    """'train.lr' for a key `lr` given without its section (or under a misspelt one):
+    the sections holding a key of that name (or the closest one), "" when none is close."""
+    defaults = Config()
+    sections = [f.name for f in fields(Config)]
+    if section is not None:  # a misspelt section: look in the sections it resembles
+        sections = difflib.get_close_matches(section, sections, n=2) or sections
+    exact = [s for s in sections if key in {f.name for f in fields(getattr(defaults, s))}]
+    if exact:
+        return " or ".join(repr(f"{s}.{key}") for s in exact)
+    for s in sections:
+        close = difflib.get_close_matches(key, [f.name for f in fields(getattr(defaults, s))], n=1)
+        if close:
+            return repr(f"{s}.{close[0]}")
+    return ""
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -353,7 +372,7 @@ def _build_section(factory, section: str, values: dict[str, Any]):
     values = dict(values)
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, known)}")
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, known, section)}")
         if isinstance(value, str) and float in typing.get_args(hints[key]) + (hints[key],):
             # YAML 1.1 reads 3e-4 (no dot) as a string; accept it as the number it is
             try:
@@ -394,14 +413,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         path, raw = item.split("=", 1)
         parts = path.strip().split(".")
         if len(parts) != 2:
-            raise ConfigError(f"--set key must look like section.key, got {path!r}")
+            whole = _key_of_any_section(parts[-1]) if len(parts) == 1 else ""
+            hint = f"; did you mean {whole}?" if whole else ""
+            raise ConfigError(f"--set key must look like section.key, got {path!r}{hint}")
         section, key = parts
         if not hasattr(defaults, section) or section.startswith("_"):
             sections = [f.name for f in fields(Config)]
-            raise ConfigError(f"unknown --set section {section!r}{_suggest(section, sections)}")
+            whole = _key_of_any_section(key, section)
+            hint = f"; did you mean {whole}?" if whole else _suggest(section, sections)
+            raise ConfigError(f"unknown --set section {section!r}{hint}")
         names = [f.name for f in fields(getattr(defaults, section))]
         if key not in names:
-            raise ConfigError(f"unknown --set key {section}.{key}{_suggest(key, names)}")
+            raise ConfigError(f"unknown --set key {section}.{key}{_suggest(key, names, section)}")
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}
