@@ -122,6 +122,22 @@ def test_the_synopsis_names_every_option():
     assert missing == [], f"the synopsis ({block.where}) lacks {missing}"
 
 
+def test_the_config_list_names_every_config():
+    """getting-started's `--config` line and the CLI's help name every file in configs/ (two
+    were missing from the docs' list, issue 42)."""
+    from atom.cli import build_parser
+    from atom.config import config_names
+
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    [item] = [p for p in page.split("\n- ") if p.startswith("`--config` takes")]
+    assert sorted(set(re.findall(r"`([\w.-]+)`", item)) - {"--config", "configs/"}) == (
+        config_names()
+    ), "the --config list in docs/getting-started.md"
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    [config] = [a for a in sub.choices["train"]._actions if "--config" in a.option_strings]
+    assert all(name in config.help for name in config_names())
+
+
 def test_the_config_reference_is_generated_and_complete():
     """docs/config.md is what tools/config_reference.py writes: a key added without a line
     in atom/config/describe.py (or a changed default) fails here."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from atom.cli import peers as gossip_commands
 from atom.cli import simulate as simulate_command
 from atom.cli.train_command import cmd_train
+from atom.config import config_names
 from atom.errors import AtomError, ConfigError, DataError
 from atom.run_config import load_run_config
 
@@ -29,8 +30,8 @@ USER_ERRORS = (AtomError,)
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
-        help="YAML file, or a name from configs/ (tiny, gpt2-124m, "
-        "gpt3-1.3b, llama-7b, ...); default: the built-in tiny model",
+        help=f"YAML file, or a name from configs/ ({', '.join(config_names())}); default: "
+        "the built-in tiny model",
     )
     p.add_argument(
         "--set",

@@ -435,6 +435,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def config_names() -> list[str]:
+    """The names --config takes: the files in configs/ (the list the CLI and docs give)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
 def resolve_config_path(name_or_path: str) -> Path:
     """A path, or the name of a file in configs/ (with or without .yaml)."""
     path = Path(name_or_path)
@@ -445,7 +450,7 @@ def resolve_config_path(name_or_path: str) -> Path:
             return candidate
     raise ConfigError(
         f"config file not found: {name_or_path} (give a path or one of: "
-        f"{', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))})"
+        f"{', '.join(config_names())})"
     )
 
 
@@ -501,6 +506,7 @@ __all__ = [
     "SwapConfig",
     "TrainConfig",
     "apply_overrides",
+    "config_names",
     "names_hf_model",
     "read_config_file",
     "load_config",
