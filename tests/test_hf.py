@@ -398,6 +398,18 @@ def test_unsupported_is_refused_in_one_line(
     assert err.count("\n") == 1 and err.startswith("atom: error: ")
 
 
+def test_a_fine_tune_says_what_the_checkpoint_is(tmp_path, tok_dir, hf_data, capsys):
+    """issue 42: fine-tuning a Qwen2 checkpoint announced "training llama" (atom's block
+    family); the first line names the checkpoint's architecture and model_type."""
+    src = save_hf("qwen2", tmp_path / "src", tok_dir)
+    sets = [x for item in [*TRAIN, f"train.data={hf_data}"] for x in ("--set", item)]
+    argv = ["train", "--model", str(src), *sets, "--max-steps", "1", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"atom: training Qwen2ForCausalLM (qwen2) from {src.resolve()} (" in out, out
+    assert "training llama" not in out
+
+
 def test_missing_checkpoint_directory_is_refused(tmp_path, capsys):
     code = main(["train", "--model", str(tmp_path / "nowhere")])
     err = capsys.readouterr().err

@@ -114,8 +114,14 @@ def _train(args, cfg, plan, out: Path) -> int:
     info = trainer.engine.info()
     n_params = sum(t.numel() for t in trainer.engine.named_parameters().values())
     host = host_bytes_needed(cfg, trainer.engine.dtype)[1]
+    if cfg.model.init_from:  # a Qwen2 or Mistral checkpoint runs as atom's llama blocks
+        from atom.hf import checkpoint_name
+
+        what = checkpoint_name(cfg.model.init_from)
+    else:
+        what = cfg.model.arch
     print(
-        f"atom: training {cfg.model.arch} ({n_params / 1e6:.1f}M parameters, "
+        f"atom: training {what} ({n_params / 1e6:.1f}M parameters, "
         f"{cfg.model.n_layer} layers, d={cfg.model.d_model}) on {trainer.data_dir} "
         f"[{info.mode}] from step {trainer.start_step}; host RAM for model state "
         f"{host / 2**30:.2f} GiB"

@@ -507,6 +507,21 @@ def expand_model_section(value: Any) -> dict[str, Any]:
     return section
 
 
+def checkpoint_name(init_from: str) -> str:
+    """What a fine-tune trains, as its checkpoint names it: 'Qwen2ForCausalLM (qwen2) from
+    PATH' (atom runs all three LLaMA-family checkpoints as its llama blocks, and a run's
+    first line said "training llama" of a Qwen2). A checkpoint gone since (a resumed run
+    keeps its path) is named by its path alone."""
+    path = Path(_strip_prefix(init_from)).expanduser()
+    try:
+        c = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        family = c.get("model_type")
+        arch = (c.get("architectures") or [family])[0]
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, IndexError):
+        return f"the checkpoint at {path}"
+    return f"{arch} ({family}) from {path}" if arch != family else f"{family} from {path}"
+
+
 def check_config(cfg: Config) -> None:
     """The config's model can take the checkpoint's weights (headers only, no tensor read)."""
     HFSource(cfg.model.init_from).plan(cfg.model)
