@@ -115,15 +115,15 @@ def run_profile(
         clock = timing.MeasureClock(ModelAnalysis.of(cfg), device, dtype) if missing else None
         if missing:
             log.info(
-                "timing one block at micro-batch %s: about %s in all (measured once, cached)",
-                ", ".join(map(str, missing)), timing.say_seconds(sum(map(clock.seconds, missing))),
+                "timing one block at micro-batch %s: %s in all (measured once, cached)",
+                ", ".join(map(str, missing)), timing.say_seconds(clock.total(missing)),
             )  # fmt: skip
         bar = tqdm(missing, desc="timing one block", unit="batch size",
                    disable=not progress or not missing)  # fmt: skip
         compiled = wanted(cfg.train.compile_blocks, device)
         first_pass = time.perf_counter()
         for mb in bar:
-            ahead = f"micro-batch {mb}: about {timing.say_seconds(clock.seconds(mb))}"
+            ahead = f"micro-batch {mb}: {timing.say_seconds(clock.seconds(mb))}"
             bar.set_postfix_str(ahead)
             if not progress:  # not a terminal: a log line per measurement instead
                 log.info("timing one block at %s", ahead)

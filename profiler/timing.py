@@ -168,6 +168,12 @@ class MeasureClock:
     def measured(self, micro_batch: int, seconds: float) -> None:
         self.rate = self.flops_per_sample * micro_batch / max(seconds, 1e-9)
 
+    def total(self, micro_batches: list[int]) -> float:
+        """All of them, with the passes a cheap first pass is repeated (extra_passes): a
+        tiny model's timing was said to take "about 0 s in all" and took seconds."""
+        first = sum(map(self.seconds, micro_batches))
+        return first * (1 + extra_passes(first))
+
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 512) -> float:
     """FLOP/s of an n x n matmul here (the best of three): a floor for what a block gets."""
@@ -176,7 +182,12 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 512) -> float
 
 
 def say_seconds(s: float) -> str:
-    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min"
+    """An estimate in words. Below 10 s, no figure: a small model's pieces take what the
+    interpreter and the kernel launches take, which FLOPs do not predict (a tiny block
+    estimated at 0.01 s took 0.14 s)."""
+    if s < 10:
+        return "under 10 s"
+    return f"about {s:.0f} s" if s < 90 else f"about {s / 60:.0f} min"
 
 
 def estimate_pieces(analysis: ModelAnalysis, micro_batch: int, hw: HardwareSpec) -> PieceTimes:
