@@ -107,6 +107,29 @@ class Plan:
         )
 
 
+def check_replace(path: Path, cfg: Config) -> None:
+    """`atom profile --out PATH` replaces a plan of the same model (profiling again is how a
+    plan is refreshed) and refuses, before measuring anything, to replace a plan made for
+    another model or a file that is no plan: the docs' example once overwrote ./plan.json
+    of another model without a word. --force replaces it anyway."""
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+        model = data["model"]
+    except (OSError, ValueError, TypeError, KeyError):
+        raise ConfigError(
+            f"{path} exists and is not an atom plan; write the plan elsewhere with --out FILE, "
+            "or replace the file with --force"
+        ) from None
+    said = model_differences(model, cfg, "in it")
+    if said:
+        raise ConfigError(
+            f"{path} holds the plan of another model ({said}); write this one elsewhere with "
+            "--out FILE, or replace it with --force"
+        )
+
+
 def _lpu_options(n_layer: int) -> list[int]:
     opts = [v for v in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if v <= n_layer]
     return opts or [1]

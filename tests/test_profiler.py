@@ -189,6 +189,27 @@ def test_every_config_profiles_on_meta_in_seconds(path):
     assert plan.prediction.host_bytes <= 128 * GiB
 
 
+def test_profile_does_not_replace_another_models_plan(tmp_path, capsys):
+    """issue 42: the docs' example overwrote ./plan.json of another model without a word. A
+    plan of the same model is replaced (profiling again refreshes it); another model's plan,
+    or a file that is no plan, is refused in one line naming --out and --force, untouched."""
+    out = tmp_path / "plan.json"
+    args = ["profile", "--hardware", "rtx4090", "--host-mem", "64GiB", "--out", str(out)]
+    assert main(args) == 0 and main(args) == 0  # the same model: replaced
+    before = out.read_text()
+    capsys.readouterr()
+    assert main([*args, "--set", "model.n_layer=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"atom: error: {out} holds the plan of another model (model.n_layer")
+    assert "--out FILE" in err and "--force" in err and err.count("\n") == 1
+    assert out.read_text() == before
+    assert main([*args, "--set", "model.n_layer=2", "--force"]) == 0
+    assert json.loads(out.read_text())["model"]["n_layer"] == 2
+    out.write_text("notes\n")
+    assert main(args) == 2 and "is not an atom plan" in capsys.readouterr().err
+    assert out.read_text() == "notes\n"
+
+
 def test_profile_and_train_with_the_plan_through_the_cli(
     tmp_path, text_dataset, capsys, monkeypatch, caplog
 ):

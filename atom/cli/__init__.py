@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pf.add_argument("--top", type=int, default=8, help="candidates to show (default 8)")
     pf.add_argument("--refresh", action="store_true", help="re-measure instead of the cache")
+    pf.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even when it holds another model's plan (refused without it)",
+    )
 
     pr = sub.add_parser("prepare", help="tokenize text files into token shards for training")
     pr.add_argument("inputs", nargs="+", help="text files or directories")
@@ -209,10 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_profile(args) -> int:
     from atom.profiler.hardware import parse_bytes
-    from atom.profiler.planner import Infeasible, describe_host, format_table
+    from atom.profiler.planner import Infeasible, check_replace, describe_host, format_table
     from atom.profiler.profile import run_profile
 
     cfg = load_run_config(args.config, args.overrides)
+    if not args.force:
+        check_replace(Path(args.out), cfg)  # before the measurements: refused in a second
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     host_mem = parse_bytes(args.host_mem) if args.host_mem else None
     try:
