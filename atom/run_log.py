@@ -71,6 +71,7 @@ class RunLog:
     ):
         self.path = Path(out) / "metrics.jsonl"
         self.rate = RecentRate(tokens_per_step)
+        self.started = time.perf_counter()  # the log lines' elapsed time counts from here
         self.end, self.progress, self.loggers = end, progress, loggers
         self.log_interval = log_interval
         self.bar = tqdm(total=end, initial=start, disable=not progress, unit="step",
@@ -122,10 +123,14 @@ class RunLog:
             else:
                 log.info(line)
         if not self.progress and (done % self.log_interval == 0 or done == self.end):
+            # no terminal (a log file, nohup, a job): what the bar shows, in the line
+            left = (self.end - done) * self.rate.tokens_per_step / max(rate, 1e-9)
             log.info(
-                "step %d/%d loss %.4f lr %.2e %.0f tokens/s device %s",
+                "step %d/%d loss %.4f lr %.2e %.0f tokens/s device %s elapsed %s ETA %s",
                 done, self.end, loss, record["lr"], rate,
                 human(record["device_peak_bytes"]),
+                tqdm.format_interval(time.perf_counter() - self.started),
+                tqdm.format_interval(left),
             )  # fmt: skip
         self.bar.set_postfix(
             loss=f"{loss:.4f}",

@@ -71,3 +71,21 @@ def test_the_terminal_rate_is_smoothed_over_wall_time(monkeypatch, tmp_path, cap
         log.step({**record, "step": 2, "loss": 2.0, "tokens_per_s": 10_000.0}, {})
     log.close()
     assert "step 2/2 loss 2.0000 lr 1.00e-03 198 tokens/s" in caplog.text
+
+
+def test_log_lines_without_a_terminal_say_elapsed_time_and_eta(monkeypatch, tmp_path, caplog):
+    """issue 42: with no terminal (no bar) the log lines had no elapsed time or ETA. Steps
+    a second apart, 10 planned: at step 2, 2 s in, 8 steps left at the window's rate."""
+    from atom import run_log
+
+    clock = [0.0]
+    monkeypatch.setattr(run_log.time, "perf_counter", lambda: clock[0])
+    log = run_log.RunLog(tmp_path, 0, 10, False, [], 2, tokens_per_step=100)
+    record = {"lr": 1e-3, "device_peak_bytes": 0, "step_time_s": 1.0, "loss": 2.0}
+    with caplog.at_level(logging.INFO, logger="atom.run_log"):
+        for step in (1, 2):
+            clock[0] = float(step)
+            log.step({**record, "step": step, "tokens_per_s": 100.0}, {})
+    log.close()
+    assert caplog.text.rstrip().endswith("step 2/10 loss 2.0000 lr 1.00e-03 100 tokens/s "
+                                         "device 0B elapsed 00:02 ETA 00:08")  # fmt: skip
