@@ -89,3 +89,15 @@ def own_working_directory(tmp_path_factory, monkeypatch):
     yield work
     os.environ.clear()
     os.environ.update(environ)
+
+
+@pytest.fixture
+def unbudgeted(monkeypatch):
+    """Exchanges of one unit back to back, as fast as a test makes them: the serve budget
+    (atom/gossip/budget.py) answers `busy` past a few a window, by design; a test of an
+    exchange's mechanics (codecs, references) lifts it."""
+    from atom.gossip import budget
+
+    for name in ("PER_SENDER", "PER_UNIT"):
+        monkeypatch.setattr(budget, name, 10**9)
+    monkeypatch.setattr(budget, "MOVE", float("inf"))

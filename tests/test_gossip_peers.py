@@ -125,7 +125,7 @@ def test_lossy_codecs_converge(group, codec):
     wait_until(lambda: distance([a, b]) < 0.02 * start, 15, f"{codec} consensus")
 
 
-def test_topk_converges_and_both_ends_share_the_reference(group):
+def test_topk_converges_and_both_ends_share_the_reference(group, unbudgeted):
     """codec topk: a pair's first exchange is dense int8 and sets the reference both ends
     hold bit for bit; later ones send 5% of the moves from it (~1/4 of int8's bytes). What
     top-k leaves out is sent later (error feedback), never merged away: a move of one peer
@@ -161,7 +161,7 @@ def test_topk_converges_and_both_ends_share_the_reference(group):
     assert gap() < 0.1 * float(move.norm()), (gap(), float(move.norm()))
 
 
-def test_topk_pair_that_lost_its_reference_starts_again_dense(group):
+def test_topk_pair_that_lost_its_reference_starts_again_dense(group, unbudgeted):
     """A reply lost on the way leaves the responder on a newer reference than the
     initiator: the next request is refused as such (no merge, no penalty), both drop theirs,
     and the exchange after is dense again."""
@@ -204,7 +204,7 @@ def test_a_reference_offered_to_a_peer_not_on_topk_is_refused(group):
     assert a.counters.get("rejected.schema") >= 1
 
 
-def test_topk_with_a_partner_that_keeps_no_reference_stays_dense(group):
+def test_topk_with_a_partner_that_keeps_no_reference_stays_dense(group, unbudgeted):
     """A member on another codec answers a top-k peer's requests as int8 and keeps no
     reference (host RAM it did not plan for): both sides stay dense, every exchange works."""
     a = group("a", seed=1, codec="topk", lanes=0)
@@ -370,6 +370,7 @@ def test_noloco_payload_is_judged_whole_not_by_the_weights_it_implies(group):
         return header, [np.array(buffers[0], copy=True) + np.float32(1e4)], after
 
     b.averager.serve_exchange = shifted
+    b.after_step(10**6)  # b's units due: it serves them (merge.servable)
     wait_until(lambda: any(p.id == "b" for p in a.table.candidates()), 5, "b known to a")
     before = weights(a)
     assert not a.averager.exchange(a.table.get("b"), 1)

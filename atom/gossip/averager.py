@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from atom.config import ConfigError
+from atom.gossip.budget import UNPROVEN, ServeBudget
 from atom.gossip.membership import SILENT_RTTS, PeerContext, PeerState, PeerTable, ewma
 from atom.gossip.merge import GossipMerge, UnitParams, relative_disagreement
 from atom.gossip.net.client import Client
@@ -36,7 +37,7 @@ from atom.gossip.net.counters import Counters
 from atom.gossip.net.transport import Incoming, Reply
 from atom.gossip.net.wire import Rejected
 from atom.gossip.pairref import REF_NACK, PairRefs
-from atom.gossip.robust import DiffGuard, safe_beta
+from atom.gossip.robust import DiffGuard, Judgement, safe_beta
 from atom.gossip.selection import Selector
 from atom.gossip.session import ReplySession, RequestSession
 
@@ -87,6 +88,8 @@ class Averager:
         self._warned: set[str] = set()  # partners told of a strategy mismatch
         self.guard = guard or DiffGuard()  # refuses (or clips) what a bad peer sends
         self.refs = refs or PairRefs(4)  # pairs' shared references (codec topk)
+        # how far the peers that ask may move each unit over time (budget.py)
+        self.budget = ServeBudget(*merge.schedule(interval_s, len(params.units)))
         self._threads: list[threading.Thread] = []
         self._local = threading.local()
         self._clients: list[Client] = []
@@ -236,8 +239,9 @@ class Averager:
             if rh.get("payload", "weights") != self.merge.payload_kind:
                 raise Rejected("schema", f"answered a {rh.get('payload', 'weights')} payload")
             remote = session.decode(rh, reply.frames)
-            diff, remote, disagreement, trust = self._judge(unit, snap, mine, remote,
-                                                            partner.id, session.sparse)  # fmt: skip
+            diff, remote, disagreement, judged = self._judge(
+                unit, snap, mine, remote, partner.id, session.sparse
+            )
         except Rejected as err:
             session.abandon()  # the partner moved its reference on, we do not
             err.sender = partner.id
@@ -245,7 +249,10 @@ class Averager:
             self.counters.inc("exchange.failed")
             return False
         w_me, w_them = self.weight(), rh["weight"]
-        self.merge.merge(unit, snap, diff, safe_beta(w_me, w_them) * trust, remote, trust < 1)
+        trust = judged.trust
+        beta = safe_beta(w_me, w_them) * trust
+        self.budget.moved(unit, _norm(snap), beta * disagreement**0.5)
+        self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
         session.commit()
         work += time.monotonic() - t1
         self.work_s = ewma(self.work_s, work)
@@ -276,31 +283,42 @@ class Averager:
                          self.merge.name)  # fmt: skip
 
     def _judge(self, unit: int, snap: torch.Tensor, mine: torch.Tensor, remote: torch.Tensor,
-               sender: str, sparse: bool = False,
-               ) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:  # fmt: skip
+               sender: str, sparse: bool = False, chosen: bool = True,
+               ) -> tuple[torch.Tensor, torch.Tensor | None, float, Judgement]:  # fmt: skip
         """(diff = their weights - ours; their payload (None when it is the weights: diff
-        says it all); how far apart the two are as far as we let it in; the sender's trust
-        as this judgement left it), after the robust merge clipped or refused (Rejected)
-        the payloads' difference. The whole payload is judged, not only the weights it
-        implies: noloco's outer weights and pseudo-gradient could each be huge and still
-        imply harmless weights. A top-k exchange (`sparse`) is judged against the other
-        partners' top-k exchanges of the unit: it carries only the largest moves, so beside
-        dense exchanges' full disagreement it would look small, and a dense one (a pair's
-        first) beside sparse ones would be clipped and its partner distrusted."""
+        says it all); how far apart the two are as far as we let it in (squared, relative to
+        the unit's norm); the judgement: the sender's trust as it left it, and the yardstick
+        it was judged by), after the robust merge clipped or refused (Rejected) the
+        payloads' difference. `chosen`: we started the exchange, with a partner we picked;
+        only those set the yardstick (a request's size is judged, not kept). The whole
+        payload is judged, not only the weights it implies: noloco's outer weights and
+        pseudo-gradient could each be huge and still imply harmless weights. A top-k
+        exchange (`sparse`) is judged against the other partners' top-k exchanges of the
+        unit: it carries only the largest moves, so beside dense exchanges' full
+        disagreement it would look small, and a dense one (a pair's first) beside sparse
+        ones would be clipped and its partner distrusted."""
         pdiff = remote.sub_(mine)  # no copy: the payload itself is not needed again
         first = lambda: self.merge.first_scale(unit, snap)  # noqa: E731  (only when needed)
         key = ~unit if sparse else unit  # the guard's history: -1 - unit for top-k
         if self.merge.payload_kind == "weights":
             # clipped in place, or refused
-            trust = self.guard.admit(key, snap, pdiff, sender, first).trust
+            judged = self.guard.admit(key, snap, pdiff, sender, first, record=chosen)
             # after the clip: what this exchange could remove (the selector's drift)
-            return pdiff, None, relative_disagreement(snap, pdiff), trust
-        trust = self.guard.admit(key, mine, pdiff, sender, first).trust
+            return pdiff, None, relative_disagreement(snap, pdiff), judged
+        judged = self.guard.admit(key, mine, pdiff, sender, first, record=chosen)
         remote = pdiff.add_(mine)
         diff = self.merge.weights_of(remote, snap.numel()) - snap
-        return diff, remote, relative_disagreement(snap, diff), trust
+        return diff, remote, relative_disagreement(snap, diff), judged
 
     # ------------------------------------------------------------ responder
+    def _budget_key(self, sender: str) -> str:
+        """Whom a served exchange counts against: the sender, once its own endpoint has
+        answered our ping; before that (a client, an id nobody listens for), UNPROVEN,
+        one allowance for all of them."""
+        p = self.table.get(sender)
+        proven = p is not None and p.status == "alive" and p.endpoint and p.reached is not None
+        return sender if proven else UNPROVEN
+
     def serve_exchange(self, incoming: Incoming) -> Reply:
         """Server side of xreq (runs on a server worker thread)."""
         h = incoming.header
@@ -317,9 +335,18 @@ class Averager:
         if h.get("payload", "weights") != kind:  # a group of mixed strategies: not its fault
             self.counters.inc("served.refused")
             return _refuse(base, "nack", f"{STRATEGY_NACK} {self.merge.name}")
+        if not self.merge.servable(unit):  # as good as due: an attacker may not set the pace
+            self.counters.inc("served.not_due")
+            return _refuse(base, "busy", "unit not due by this peer's schedule", unit)
         if not self._claim(unit):
             self.counters.inc("served.busy")
             return _refuse(base, "busy", "unit in another exchange", unit)
+        sender = self._budget_key(h["from"])
+        over = self.budget.admit(unit, sender)
+        if over is not None:
+            self._release(unit)
+            self.counters.inc("served.budget")
+            return _refuse(base, "busy", over, unit)
         try:
             # our own codec where it is the request's (topk: our fraction for the reply)
             codec = self.codec if h["codec"] == self.codec.name else get_codec(h["codec"])
@@ -335,12 +362,19 @@ class Averager:
             fields, buffers, remote = session.reply(mine, remote)
             # trust below 1: clipped lately (not to build on); as judged, not after the
             # reply: another exchange with the same partner may be judged meanwhile
-            diff, remote, apart, trust = self._judge(unit, snap, mine, remote, h["from"],
-                                                     session.sparse)  # fmt: skip
+            diff, remote, apart, judged = self._judge(unit, snap, mine, remote, h["from"],
+                                                      session.sparse, chosen=False)  # fmt: skip
         except BaseException:
             self._release(unit)
             raise
         w_me, w_them = self.weight(), h["weight"]
+        trust = judged.trust
+        beta = safe_beta(w_me, w_them) * trust
+        # the unit's window of served movement (budget.py): beyond it, not merged at all
+        if not self.budget.allow_move(unit, sender, beta * apart**0.5, judged.typical):
+            self._release(unit)  # no reference moves on either side: a busy changes nothing
+            self.counters.inc("served.budget")
+            return _refuse(base, "busy", f"unit {unit} moved enough this window", unit)
         base.update(fields, unit=unit, weight=w_me)
         if kind != "weights":
             base["payload"] = kind
@@ -348,7 +382,7 @@ class Averager:
 
         def apply() -> None:  # after the reply is on its way: merging is off the critical path
             try:
-                beta = safe_beta(w_me, w_them) * trust
+                self.budget.moved(unit, _norm(snap), beta * apart**0.5)
                 self.merge.merge(unit, snap, diff, beta, remote, trust < 1)
                 session.commit()
                 self.table.served_exchange(h["from"], apart)
@@ -464,6 +498,10 @@ class Averager:
             clients, self._clients = self._clients, []
         for c in clients:
             c.close()
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64))
 
 
 def _refuse(header: dict[str, Any], kind: str, reason: str, unit: int | None = None) -> Reply:

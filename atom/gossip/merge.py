@@ -37,11 +37,16 @@ outer weights alike, out of the momentum, and the unit comes due again in H / 4 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 
 from atom.engine_protocol import SharedUnit
 from atom.gossip.net.wire import fingerprint
 from atom.gossip.robust import FIRST_SCALE
+
+MIN_INTERVAL_S = 0.01  # plain averaging's period, per unit, however small interval_s is
 
 
 class UnitParams:
@@ -98,6 +103,16 @@ class GossipMerge:
     def due(self, unit: int) -> bool:
         return True
 
+    def servable(self, unit: int) -> bool:
+        """Whether a partner's request for `unit` may be served now by the schedule."""
+        return True
+
+    def schedule(self, interval_s: float, n_units: int) -> tuple[Callable[[], float], float]:
+        """(the schedule's clock, one period in its units): how often one partner may
+        exchange a unit with us (atom/gossip/budget.py). Plain averaging: the seconds our
+        own lanes take to start one exchange of every unit."""
+        return time.monotonic, max(interval_s, MIN_INTERVAL_S) * max(n_units, 1)
+
     def first_scale(self, unit: int, snap: torch.Tensor) -> float:
         """The robust merge's scale for a unit no other partner has been heard on."""
         return FIRST_SCALE
@@ -131,6 +146,7 @@ class GossipMerge:
 
 
 FIRST_FLOOR = 0.01  # an outer optimizer's first scale, just after a reset (no progress yet)
+SERVE_EARLY = 0.5  # a unit is served from this share of its period before it is due
 
 
 class DiLoCoMerge(GossipMerge):
@@ -168,6 +184,17 @@ class DiLoCoMerge(GossipMerge):
 
     def due(self, unit: int) -> bool:
         return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
+
+    def servable(self, unit: int) -> bool:
+        """Due, or within SERVE_EARLY of a period of it: a partner a little ahead of us
+        (faster, or a peer that took the unit's last step with someone else) is served;
+        an outer step on request every few steps is not."""
+        since = self.step - self.last_outer_step.get(unit, 0)
+        return since >= self.inner_steps * (1 - SERVE_EARLY)
+
+    def schedule(self, interval_s: float, n_units: int) -> tuple[Callable[[], float], float]:
+        """Our own optimizer steps; a period is H of them."""
+        return (lambda: float(self.step)), float(self.inner_steps)
 
     def first_scale(self, unit: int, snap: torch.Tensor) -> float:
         """How far this peer moves the unit in a period of H steps (relative to its norm:

@@ -15,12 +15,14 @@ sender's weights whole. Three guards, applied to every exchange in both directio
   the same way), on by default (gossip.clip_factor 3): the difference `remote - mine` is
   scaled down to at most `clip` times the scale of the *other* partners' differences on
   this unit: the lower median, over every other partner, of the size (relative to the
-  unit's norm) of its latest difference. One poisoner among honest partners never sets
-  its own bound and is one voice among the others, so it moves an honest peer at most
-  beta x clip x (the honest partners' typical difference) per exchange. Before any other
-  partner has been heard on a unit the scale is FIRST_SCALE (0.1 of the unit's norm):
-  the first peer to arrive cannot take a unit whole (a sign-flipped model, right at
-  max_relative, zeroed a unit that way: 26% worse val loss for its victim); under an
+  unit's norm) of its latest difference, in exchanges this peer started with partners it
+  chose (never in requests it served: four extra ids sending requests set the scale for
+  a fifth, which zeroed a member's units in 2 s). One poisoner among honest partners
+  never sets its own bound and is one voice among the others, so it moves an honest peer
+  at most beta x clip x (the honest partners' typical difference) per exchange. Before
+  any other partner has been heard on a unit the scale is FIRST_SCALE (0.1 of the unit's
+  norm): the first peer to arrive cannot take a unit whole (a sign-flipped model, right
+  at max_relative, zeroed a unit that way: 26% worse val loss for its victim); under an
   outer optimizer it is how far the peer moves the unit in a period of H steps, at most
   that (merge.DiLoCoMerge.first_scale). Honest peers far apart (own inits,
   gossip.pull_state false) still meet: each judges the others by partners that are as
@@ -66,6 +68,7 @@ CLOSE = 1.5  # a partner within this multiple of the others' scale is trusted ag
 class Judgement(NamedTuple):
     size: float  # |remote - mine| / |mine| before any clip
     trust: float  # the partner's trust after this judgement (DiffGuard.trust)
+    typical: float  # the scale it was judged by (the yardstick: others' typical size)
 
 
 class DiffGuard:
@@ -108,14 +111,16 @@ class DiffGuard:
         return max(others[(len(others) - 1) // 2], 1e-4), True  # floored: equal units differ
 
     def admit(self, unit: int, mine: torch.Tensor, diff: torch.Tensor, partner: str = "",
-              first: Scale = FIRST_SCALE) -> Judgement:  # fmt: skip
+              first: Scale = FIRST_SCALE, record: bool = True) -> Judgement:  # fmt: skip
         """Scale `diff` (remote - mine) in place to the allowed size; the relative size it
         had, and the partner's trust as this judgement left it (read in the same lock: an
         exchange with it on another thread may be judged next). Raises
         Rejected("outlier") for one too far from the others' range. `first`:
         the scale while no other partner has been heard on the unit (the caller may know
         better than FIRST_SCALE: an outer optimizer, its own progress), or a function
-        that gives it (called only then)."""
+        that gives it (called only then). `record` False: judged, but its size does not
+        join the yardstick (a request from a peer we did not choose: any number of ids
+        could send them, and their sizes would set the clip for everyone)."""
         # in float64: the squares of finite fp32 values (1e30) overflow fp32
         own = max(float(torch.linalg.vector_norm(mine, dtype=torch.float64)), 1e-12)
         size = float(torch.linalg.vector_norm(diff, dtype=torch.float64)) / own
@@ -128,12 +133,13 @@ class DiffGuard:
                      else f"{self.max_relative:g} x its own norm")  # fmt: skip
             raise Rejected("outlier", f"unit {unit} differs by {size:.3g} of its norm, "
                                       f"beyond {bound}")  # fmt: skip
-        with self._lock:
-            latest = self._latest[unit]
-            latest.pop(partner, None)
-            latest[partner] = size
-            while len(latest) > self.partners:
-                latest.popitem(last=False)
+        if record:
+            with self._lock:
+                latest = self._latest[unit]
+                latest.pop(partner, None)
+                latest[partner] = size
+                while len(latest) > self.partners:
+                    latest.popitem(last=False)
         allowed = self.clip * typical if self.clip else size
         with self._lock:
             streak = self._streak.pop(partner, 0)
@@ -151,4 +157,4 @@ class DiffGuard:
                 self._streak.popitem(last=False)
         if size > allowed:
             diff.mul_(allowed / size)
-        return Judgement(size, 1.0 / (1 + streak))
+        return Judgement(size, 1.0 / (1 + streak), typical)
