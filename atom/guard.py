@@ -8,7 +8,9 @@ to the newest checkpoint (train.py, at most MAX_ROLLBACKS times), stops mixing w
 peer merged since it was written, and goes on; with no checkpoint, or when it happens
 again, the run ends with one line naming the step and the newest good checkpoint (which
 was never overwritten) and a non-zero exit: a diverged fp16 run, a too-high learning
-rate, or a peer that sent poison (atom/gossip/robust.py stops most of those first).
+rate, or a peer that sent poison (atom/gossip/robust.py stops most of those first). A unit
+whose norm gossip collapsed or blew up (atom/gossip/budget.py's alarm) is rolled back the
+same way, finite or not.
 """
 
 from __future__ import annotations
@@ -53,3 +55,11 @@ def check_weights(
         if not math.isfinite(top) or top > limit:
             what = "not finite" if not math.isfinite(top) else f"{top:.3g} (limit {limit:g})"
             raise TrainingError(f"step {step}: weight {name} is {what}: not saved; {_fix(newest)}")
+
+
+def gossip_alarm(step: int, alarm: str | None, newest: Callable[[], Path | None]) -> None:
+    """Raises TrainingError when gossip moved a unit far more than training does
+    (atom/gossip/budget.py: a norm collapsed or blown up): the trainer rolls back as for
+    non-finite weights, and stops mixing with every peer merged since."""
+    if alarm:
+        raise TrainingError(f"step {step}: {alarm}; {_fix(newest())}")

@@ -26,7 +26,7 @@ from atom.data import TokenData, check_vocab, default_corpus, peer_seed
 from atom.device import resolve_device
 from atom.engine_protocol import Engine
 from atom.errors import TrainingError
-from atom.guard import LossWatch, check_weights
+from atom.guard import LossWatch, check_weights, gossip_alarm
 from atom.model.documents import IGNORE
 from atom.run_config import check_host_memory, host_bytes_needed  # noqa: F401 (atom.train's API)
 from atom.run_dir import continue_from
@@ -453,6 +453,8 @@ class Trainer:
         times.append(dt)
         record = self._untold = self._record(done, result, lr, dt)
         losses.see(done, result.loss, self._newest_checkpoint)  # atom/guard.py
+        if self.gossip is not None:  # a unit gossip collapsed or blew up: rolled back too
+            gossip_alarm(done, self.gossip.take_alarm(), self._newest_checkpoint)
         if self.gossip is not None:
             record["gossip"] = self.gossip.record()
         if (tc.eval_interval and done % tc.eval_interval == 0) or done == end:

@@ -189,3 +189,32 @@ def test_an_outer_optimizer_serves_a_unit_only_near_its_turn(group):  # noqa: F8
         assert ask() == "busy"  # it just took its outer step
     finally:
         adv.close()
+
+
+def test_a_unit_collapsed_by_gossip_rolls_the_run_back(tmp_path, text_dataset, caplog):
+    """The alarm (a unit's norm halved while gossip moved it): the trainer reloads its
+    newest checkpoint, as for non-finite weights, and trains on to the end."""
+    from atom.train import Trainer
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        train={"max_steps": 8, "ckpt_interval": 2, "data": str(text_dataset)},
+        gossip={"listen": "tcp://127.0.0.1:0", "name": "solo"},
+    )
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    real, calls = trainer.engine.train_step, [0]
+
+    def collapse_once(batches, lr, stop=None):
+        result = real(batches, lr, stop)
+        calls[0] += 1
+        if calls[0] == 5:  # as merges would report it: norm 10, then 1, gossip's doing
+            trainer.gossip.averager.budget.moved(1, 10.0, 0.3)
+            trainer.gossip.averager.budget.moved(1, 1.0, 0.3)
+        return result
+
+    trainer.engine.train_step = collapse_once
+    with caplog.at_level("WARNING"):
+        summary = trainer.run()
+    assert summary.steps == 8 and calls[0] == 9  # steps 5-8 again, from step 4's checkpoint
+    assert any("rolling back" in r.getMessage() and "unit 1" in r.getMessage()
+               for r in caplog.records)  # fmt: skip

@@ -444,6 +444,11 @@ class GossipPeer:
         self.step = step
         self.merge.step = step
 
+    def take_alarm(self) -> str | None:
+        """Once: a unit gossip collapsed or blew up lately (atom/gossip/budget.py); the
+        trainer rolls back on it (atom/guard.py gossip_alarm)."""
+        return self.averager.budget.take_alarm()
+
     def close(self, goodbye: bool = True) -> None:
         if self.closed:
             return
