@@ -3,6 +3,7 @@
     python -m tools.bench_attacks poison [--modes flip,random,huge] [--steps 150]
         [--honest-set gossip.clip_factor=0]  (the honest peers' own settings)
     python -m tools.bench_attacks resources [--attacks ids,pulls,endless] [--repeats 2]
+    python -m tools.bench_attacks takeover [--ids 5] [--steps 150] [--repeats 2]
 
 poison     3 honest peers on disjoint shards, trained together through gossip, with and
            without a 4th member that sends poison (POISONS) and claims an averaging
@@ -14,6 +15,12 @@ resources  one training peer (`atom train`, gossip listening) under each attack 
            ids: 15,000 fake peer ids introduced plus 100 ids pinging directly;
            pulls: state pulls as fast as one client sends them (up to 10,000/s);
            endless: one multipart message that never ends (raw ZMTP), reconnecting.
+takeover   3 honest peers, as in poison, with and without an attacker (no peer of its
+           own: a script) that sends exchange requests for every unit carrying zeros,
+           weight 1e18, from --ids invented ids in turn, as fast as the first peer answers
+           (a member was zeroed in 2 s that way before the serve budget,
+           atom/gossip/budget.py): each honest peer's val loss, the exchanges the victim
+           served the attacker, and what its budget refused.
 
 Runs on loopback, each peer a child process (tests/gossip_util.py).
 """
@@ -170,6 +177,78 @@ def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict
             "rss_growth_mb": peak / 2**20, "steps": len(recs), "counters": counted}  # fmt: skip
 
 
+# ------------------------------------------------------------------ takeover
+def _takeover(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
+    """Wait for h0, then send it zeros in exchange requests from n_ids ids until stop."""
+    import numpy as np
+
+    from tests import gossip_util as gu
+    from tests.adversary import Adversary
+
+    run = root / "h0"
+    gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
+                120, "the victim")  # fmt: skip
+    victim = gu.status(run)
+    sizes = _unit_sizes(run)
+    adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
+    sent = served = 0
+    try:
+        while not stop.is_set():
+            for unit, n in sizes.items():
+                h = adv.exchange_header(victim["id"], unit, n, weight=1e18,
+                                        **{"from": f"sybil{sent % n_ids}"})  # fmt: skip
+                sent += 1
+                reply = adv.request(h, np.zeros(n, np.float32), timeout=1.0)
+                served += reply is not None and reply.get("kind") == "xrep"
+    finally:
+        adv.close()
+        out.update(sent=sent, served=served)
+
+
+def _unit_sizes(run: Path) -> dict[int, int]:
+    from atom.config import Config
+    from atom.gossip.merge import UnitParams
+    from atom.train import build_engine
+
+    engine = build_engine(Config.from_dict(json.loads((run / "config.json").read_text())))
+    try:
+        params = UnitParams(engine.shared_units())
+        return {u: params.numel(u) for u in params.units}
+    finally:
+        engine.close()
+
+
+def cmd_takeover(args: argparse.Namespace) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for attacked in (False, True):  # interleaved: each attacked run beside a clean one
+                root = Path(tmp) / f"r{r}{'t' if attacked else 'c'}"
+                root.mkdir()
+                stop, out = threading.Event(), {}
+                thread = threading.Thread(target=_takeover, args=(root, args.ids, stop, out),
+                                          daemon=True)  # fmt: skip
+                if attacked:
+                    thread.start()
+                result = honest_group(root, args.steps, None)
+                stop.set()
+                if attacked:
+                    thread.join(30)
+                result.update(attacked=attacked, attack=out)
+                rows.append(result)
+                print(json.dumps(result, default=str), flush=True)
+    clean = [r for r in rows if not r["attacked"]]
+    base = statistics.mean(r["mean_val_loss"] for r in clean)
+    print("\n| attacker | honest val loss (mean; each) | vs none | victim's | served / sent |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        each = ", ".join(f"{x:.3f}" for x in r["val_loss"])
+        att = r["attack"]
+        print(f"| {'takeover' if r['attacked'] else 'none'} | {r['mean_val_loss']:.3f} "
+              f"({each}) | {r['mean_val_loss'] / base:.3f}x | {r['val_loss'][0] / base:.3f}x "
+              f"| {att.get('served', '-')} / {att.get('sent', '-')} |")  # fmt: skip
+
+
 def cmd_resources(args: argparse.Namespace) -> None:
     from tests import gossip_util as gu
 
@@ -212,6 +291,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--repeats", type=int, default=2)
     p.set_defaults(func=cmd_resources)
+    p = sub.add_parser("takeover", help="honest val loss with and without sybil requests")
+    p.add_argument("--ids", type=int, default=5)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--repeats", type=int, default=2)
+    p.set_defaults(func=cmd_takeover)
     args = parser.parse_args()
     args.func(args)
 
