@@ -25,6 +25,9 @@ EXPECTED_M = {
     "llama-1b": 1100.0,
     "llama-7b": 6738.4,
     "llama-3.1-8b": 8030.3,  # Meta: 8.03B
+    "llama-2-13b": 13015.9,  # Meta: 13.0B (Llama 2, table 1; 13,015,864,320 on the Hub)
+    "codellama-34b": 33744.0,  # Meta: 33.7B (Code Llama 34B; 33,743,970,304 on the Hub)
+    "llama-3.1-70b": 70553.7,  # Meta: 70.6B (70,553,706,496 on the Hub)
     "qwen2.5-7b": 7615.6,  # Qwen: 7.61B
 }
 
