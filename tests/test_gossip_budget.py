@@ -31,10 +31,11 @@ class Clock:
 def test_a_sender_and_a_unit_are_served_a_bounded_number_of_times_per_window():
     clock = Clock()
     b = ServeBudget(clock, period=10.0)  # a window: 20
-    assert [b.admit(0, "x") for _ in range(3)][:2] == [None, None]
+    assert all(b.admit(0, "x") is None for _ in range(budget.PER_SENDER))
     assert b.admit(0, "x") is not None  # past PER_SENDER
     assert b.admit(1, "x") is None  # units keep their own
-    assert b.admit(0, "y") is None and b.admit(0, "z") is None
+    others = [f"y{k}" for k in range(budget.PER_UNIT - budget.PER_SENDER)]
+    assert all(b.admit(0, y) is None for y in others)
     assert "served" in b.admit(0, "w")  # past PER_UNIT, whoever asks
     clock.t = 19.9
     assert b.admit(0, "w") is not None  # still the same window
@@ -46,13 +47,14 @@ def test_movement_past_the_window_share_is_refused_whole():
     b = ServeBudget(Clock(), period=1.0)
     for sender in ("a", "b", "c"):
         b.admit(0, sender)
-    assert b.allow_move(0, "a", 5.0, yardstick=0.01)  # the window's first always fits
-    assert not b.allow_move(0, "b", 0.001, yardstick=0.01)  # 2 x 0.01 is spent
+    assert b.allow_move(0, "a", 50.0, yardstick=0.01)  # the window's first always fits
+    assert not b.allow_move(0, "b", 0.001, yardstick=0.01)  # MOVE x 0.01 is spent
     b2 = ServeBudget(Clock(), period=1.0)
     for sender in ("a", "b", "c"):
         b2.admit(0, sender)
-    assert b2.allow_move(0, "a", 0.005, 0.01) and b2.allow_move(0, "b", 0.01, 0.01)
-    assert not b2.allow_move(0, "c", 0.01, 0.01)  # 0.025 > MOVE x 0.01
+    room = budget.MOVE * 0.01
+    assert b2.allow_move(0, "a", 0.5 * room, 0.01) and b2.allow_move(0, "b", 0.4 * room, 0.01)
+    assert not b2.allow_move(0, "c", 0.2 * room, 0.01)  # 1.1 x the room
 
 
 def test_the_alarm_needs_a_collapse_that_gossip_did():

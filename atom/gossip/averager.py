@@ -373,7 +373,7 @@ class Averager:
         # the unit's window of served movement (budget.py): beyond it, not merged at all
         if not self.budget.allow_move(unit, sender, beta * apart**0.5, judged.typical):
             self._release(unit)  # no reference moves on either side: a busy changes nothing
-            self.counters.inc("served.budget")
+            self.counters.inc("served.moved")
             return _refuse(base, "busy", f"unit {unit} moved enough this window", unit)
         base.update(fields, unit=unit, weight=w_me)
         if kind != "weights":
