@@ -32,7 +32,24 @@ import torch
 import zmq
 import zmq.auth
 
+from atom.gossip.net.handshake import SeedWatch
+from atom.gossip.net.keys import GroupKeys, load_bundle
 from atom.gossip.net.wire import PROTOCOL
+
+
+def find_owner(ctx: zmq.Context, keys: GroupKeys, endpoint: str, timeout: float = 10.0) -> str:
+    """The member listening at `endpoint` in a keyed group: the allow-listed name whose key
+    completes the handshake (as a joiner finds its seed's owner)."""
+    watch = SeedWatch(ctx, keys, [endpoint])
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if watch.owner(endpoint) or watch.refusal():
+                return watch.owner(endpoint) or ""
+            time.sleep(0.02)
+        return ""
+    finally:
+        watch.close()
 
 
 class Adversary:
@@ -49,13 +66,12 @@ class Adversary:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.sndhwm = 0  # a flood is not throttled here, only by the target
+        self.server = ""  # keyed: the member found at `endpoint` (whose key we dial)
         if bundle is not None:  # a member's key: passes the handshake, then lies
-            bundle = Path(bundle)
-            own = next(p for p in bundle.glob("*.key_secret") if p.name != "group.key_secret")
-            pub, sec = zmq.auth.load_certificate(str(own))
-            server, _ = zmq.auth.load_certificate(str(bundle / "group.key_secret"))
-            self.sock.curve_publickey, self.sock.curve_secretkey = pub, sec
-            self.sock.curve_serverkey = server
+            keys = load_bundle(bundle)
+            self.server = find_owner(self.ctx, keys, endpoint)
+            self.sock.curve_publickey, self.sock.curve_secretkey = keys.public, keys.secret
+            self.sock.curve_serverkey = keys.key_of(self.server)
         self.sock.connect(endpoint)
         self.rids = itertools.count(1)
 

@@ -412,10 +412,10 @@ def test_only_allow_listed_peers_reach_the_averager(group, tmp_path):
     try:
         plain = raw_client(ctx, a.endpoint)  # no CURVE at all
         pub, sec = zmq.auth.load_certificate(str(outsider / "eve.key_secret"))
-        grp_pub, _ = zmq.auth.load_certificate(str(bundles[0] / "group.key_secret"))
-        eve = ctx.socket(zmq.DEALER)  # knows the group's server key, but is not allow-listed
+        alice_pub, _ = zmq.auth.load_certificate(str(bundles[0] / "allowed" / "alice.key"))
+        eve = ctx.socket(zmq.DEALER)  # knows alice's server key, but is not allow-listed
         eve.linger = 0
-        eve.curve_publickey, eve.curve_secretkey, eve.curve_serverkey = pub, sec, grp_pub
+        eve.curve_publickey, eve.curve_secretkey, eve.curve_serverkey = pub, sec, alice_pub
         eve.connect(a.endpoint)
         frames = [msgpack.packb(good_header(a)), bytes(4 * a.params.numel(1))]
         for sock in (plain, eve):

@@ -18,7 +18,7 @@ import torch
 
 from atom.config import ConfigError, load_config
 from atom.config.gossip import is_loopback, parse_rates
-from atom.gossip.membership import PeerState, PeerTable
+from atom.gossip.membership import FIRST_CONTACT_S, PeerState, PeerTable
 from atom.gossip.merge import DiLoCoMerge, GossipMerge, NoLoCoMerge
 from atom.gossip.net.codecs import BLOCK, CODECS, decode_checked, get_codec, roundtrip
 from atom.gossip.net.keys import keygen, load_bundle
@@ -366,10 +366,14 @@ def test_silence_allowed_follows_the_link():
     trips, capped."""
     t = PeerTable("me", dead_after=1.5, penalty_s=10, queued_bytes=2_800_000)
     lan = PeerState("lan", "tcp://10.0.0.2:1", 1, rtt=0.0005, bw=100e6)
+    lan.reached = time.monotonic()  # our pings reach it (they measured its round trip)
     assert t.silence(lan) == 1.5
     unmeasured = PeerState("new", "tcp://10.0.0.3:1", 1)
+    assert t.silence(unmeasured) == FIRST_CONTACT_S  # our ping has not reached it yet
+    unmeasured.reached = time.monotonic()
     assert t.silence(unmeasured) == 1.5
     far = PeerState("far", "tcp://10.0.0.4:1", 1, rtt=0.2, bw=5e6 / 8)  # 200 ms, 5 Mb/s
+    far.reached = time.monotonic()
     assert t.silence(far) == pytest.approx(4 * 0.2 + 2 * 1_400_000 / (5e6 / 8))  # 5.28 s
     crawling = PeerState("crawl", "tcp://10.0.0.5:1", 1, rtt=1.0, bw=1000.0)
     assert t.silence(crawling) == 120.0

@@ -8,6 +8,7 @@ atom.config: it imports nothing from atom.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import typing
 from dataclasses import dataclass
@@ -32,6 +33,41 @@ def check_endpoint(endpoint: str, what: str) -> str:
     if not m or (m.group(2) != "*" and int(m.group(2)) > 65535):
         raise ValueError(f"{what} must look like tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
     return endpoint
+
+
+_PORT = re.compile(r"^[1-9][0-9]{0,4}$")
+_SEED_NAME = re.compile(r"^([A-Za-z0-9_-]{1,64})@(.+)$")
+
+
+def wire_endpoint(endpoint: str) -> str:
+    """An endpoint another peer told us (a header's `ep`, a peer list): only tcp:// with a
+    literal IP address (IPv6 in brackets) that names one host, and a port 1-65535, spelt
+    one way only (as str(ipaddress) writes it). ipc:// paths, host names (which a peer
+    would resolve), wildcards, port 0 and the unspecified, multicast and broadcast
+    addresses come only from this peer's own command line or config; ValueError here."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        raise ValueError(f"not a tcp:// endpoint: {str(endpoint)[:80]!r}")
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not _PORT.match(port) or int(port) > 65535:
+        raise ValueError(f"port must be 1-65535: {endpoint[:80]!r}")
+    v6 = host.startswith("[") and host.endswith("]")
+    try:
+        ip = ipaddress.IPv6Address(host[1:-1]) if v6 else ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"host must be a literal IP address: {endpoint[:80]!r}") from None
+    bad = ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255")
+    canonical = f"tcp://[{ip}]:{port}" if v6 else f"tcp://{ip}:{port}"
+    if bad or "%" in host or canonical != endpoint:  # a scope id (%eth0), another spelling
+        raise ValueError(f"not one host's address: {endpoint[:80]!r}")
+    return endpoint
+
+
+def split_seed(seed: str) -> tuple[str, str]:
+    """A --join value: (member name or "", endpoint). NAME@tcp://HOST:PORT names the member
+    that listens there (a keyed group then dials it with NAME's key at once; without a
+    name a joiner finds the owner by trying the allow-listed keys, handshake.py)."""
+    m = _SEED_NAME.match(seed.strip())
+    return (m.group(1), m.group(2)) if m else ("", seed.strip())
 
 
 def endpoint_host(endpoint: str) -> str | None:
@@ -69,7 +105,8 @@ def parse_rates(spec: str) -> dict[str, float]:
 @dataclass
 class GossipConfig:
     listen: str | None = None  # tcp://HOST:PORT to bind; None = alone, or a client with join
-    join: str = ""  # comma-separated endpoints of any group members
+    # comma-separated endpoints of any group members, each optionally NAME@ENDPOINT
+    join: str = ""
     group_key: str | None = None  # a bundle directory made by `atom keygen`
     insecure: bool = False  # allow a non-loopback listen address without a group key
     name: str = ""  # peer id; default: the key bundle's name, else host-random
@@ -129,10 +166,23 @@ class GossipConfig:
     def __post_init__(self) -> None:
         if self.listen is not None:
             self.listen = check_endpoint(self.listen, "gossip.listen")
-        for seed in self.seeds:
-            check_endpoint(seed, "gossip.join")
+            if self.listen.startswith("ipc://") and not self.advertise:
+                raise ValueError(  # its headers' `ep` would be refused by every peer
+                    f"gossip.listen {self.listen}: peers dial each other at tcp://IP:PORT "
+                    "only; listen on tcp://, or set gossip.advertise=tcp://IP:PORT"
+                )
+        for seed in self.join.split(","):
+            if seed.strip():
+                check_endpoint(split_seed(seed)[1], "gossip.join")
         if self.advertise:
             check_endpoint(self.advertise, "gossip.advertise")
+            try:  # what others dial: a name or a path there would be refused by every peer
+                wire_endpoint(self.advertise)
+            except ValueError:
+                raise ValueError(
+                    f"gossip.advertise must be tcp://IP:PORT with a literal IP address (peers "
+                    f"accept no host names or ipc:// from each other), got {self.advertise!r}"
+                ) from None
         check_choices(self, "gossip")
         if not 0 < self.topk_fraction <= 0.2:  # above, 5 bytes an entry outweigh int8's 1
             raise ValueError(f"gossip.topk_fraction must be in (0, 0.2], got "
@@ -195,4 +245,10 @@ class GossipConfig:
 
     @property
     def seeds(self) -> list[str]:
-        return [s.strip() for s in self.join.split(",") if s.strip()]
+        """The members to join through (their endpoints; a NAME@ prefix removed)."""
+        return [split_seed(s)[1] for s in self.join.split(",") if s.strip()]
+
+    @property
+    def seed_names(self) -> dict[str, str]:
+        """endpoint -> member name, for the seeds given as NAME@tcp://HOST:PORT."""
+        return {ep: name for name, ep in map(split_seed, self.join.split(",")) if name}

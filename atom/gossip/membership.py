@@ -1,13 +1,19 @@
-"""Membership: who is in the group, alive, ready, and how good the link to each one is.
+"""Membership: who is in the group, alive, ready, and how good the link to each one is
+(the heartbeat thread that keeps it is heartbeat.py).
 
 Liveness is first-hand only: a peer is alive while *it* has talked to us (a pong, a
 request, a reply) within dead_after_s. Peer lists heard from others only introduce new
-names; we then ping them ourselves. That is what keeps one group on a LAN: every member
-pings every member it knows of, and everyone a member knows of is listed in its pings,
-so knowledge spreads to all within a few heartbeats and two halves that learn of each
-other merge. A dead peer stays in the table and is pinged again every few heartbeats
-(it may come back); one that said goodbye is tombstoned for that incarnation so stale
-lists cannot resurrect it, while a restart (new incarnation) is welcome at once.
+names, as hints: an entry that is not alive, never listed nor chosen, until our own ping
+reaches that name at that address (in a keyed group, that name's own key answers
+there). An introducer leaves at most MAX_HINTS_PER_SOURCE such hints unanswered at a
+time, and a hint (or any entry whose endpoint never answered) is forgotten HINT_TTL_S
+after it was last heard of. We list only peers whose endpoint answered our own ping.
+That is what keeps one group on a LAN: every member pings every member it knows of, and
+everyone a member reached is listed in its pings, so knowledge spreads to all within a
+few heartbeats and two halves that learn of each other merge. A dead peer that answered
+once stays in the table and is pinged again every few heartbeats (it may come back); one
+that said goodbye is tombstoned for that incarnation so stale lists cannot resurrect it,
+while a restart (new incarnation) is welcome at once.
 
 Who may change what (open groups have no keys, so a header's `from` proves nothing): a
 message may refresh the entry it matches (id, endpoint, incarnation), but a peer's
@@ -21,7 +27,10 @@ alive (answered our own ping lately) loses nothing to an unproven goodbye: it st
 partner while the next ping decides (forged goodbyes sent every second once kept a live
 peer "leaving" most of the time: 1-2 exchanges with it in 10 s instead of 11-39). In
 keyed groups the server has already tied `from` to the connection's key (transport.py),
-so what a member says of itself is taken as proven.
+so a goodbye is the member's own; its address is proven as in an open group, by our own
+ping, which only that member's key can answer (client.py): a member that listed another
+name at an address of its own made its victims list and exchange with it under that name,
+and kept the real one out when it came.
 
 Link measurements (EWMA): round-trip time from pings, bandwidth from a probe at first
 contact and then from every real exchange. They are shared in heartbeats, so each side
@@ -37,8 +46,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from atom.gossip.net.client import Client
-from atom.gossip.net.transport import Incoming
 from atom.gossip.net.wire import MAX_LISTED
 
 EWMA = 0.3  # weight of a new link measurement
@@ -49,11 +56,16 @@ EARLY_ROUND_S = 0.1  # ping rounds asked for early (check_soon) come no closer t
 # TCP about one); at most this
 SILENT_RTTS = 4
 MAX_DEAD_AFTER_S = 120.0
+FIRST_CONTACT_S = 5.0  # silence allowed before our ping reached it (a probe's timeout)
 # reachability: a peer we hear from whose endpoint missed this many of our pings in a row
 # is unreachable (behind a NAT, a firewall): a client, never chosen, not listed; its
 # endpoint is pinged again after 2, 4, 8 ... heartbeats, at least once a minute
 UNREACHED_AFTER = 3
 REPROBE_MAX_S = 60.0
+# second-hand names: an introducer's unanswered hints at a time, and how long an entry
+# whose endpoint never answered is kept after it was last heard of
+MAX_HINTS_PER_SOURCE = 4
+HINT_TTL_S = 30.0
 
 
 def ewma(old: float | None, new: float, alpha: float = EWMA) -> float:
@@ -88,6 +100,12 @@ class PeerState:
     doubted: bool = False  # an unproven goodbye came in its name: the next ping decides
     reached: float | None = None  # last pong from its endpoint to our own ping
     misses: int = 0  # our pings to its endpoint unanswered in a row, while it is alive
+    source: str = ""  # who told us of it (introducer or itself): an address, or a key's name
+
+    @property
+    def hint(self) -> bool:
+        """Only heard of (a peer list): it never spoke to us, its endpoint never answered."""
+        return self.last_heard is None and self.reached is None
 
     @property
     def reachable(self) -> bool | None:
@@ -119,13 +137,18 @@ class PeerTable:
         self.peers: dict[str, PeerState] = {}
         self.penalties: dict[str, float] = {}  # id -> monotonic time it may be chosen again
         self.tombstones: dict[str, int] = {}  # id -> incarnation that said goodbye
-        self.claims: dict[str, tuple[str, int, float]] = {}  # id -> (ep, inc, when): unproven
+        # id -> (ep, inc, when, who said it): unproven
+        self.claims: dict[str, tuple[str, int, float, str]] = {}
         self.forged = 0  # goodbyes and moves refuted by the peer itself
+        # may this name be listed or introduced? (keyed groups: it has a key in allowed/)
+        self.known: Callable[[str], bool] = lambda pid: True
 
     # ------------------------------------------------------------ updates
-    def heard(self, h: dict[str, Any], proven: bool = False) -> PeerState | None:
+    def heard(self, h: dict[str, Any], proven: bool = False, source: str = "") -> PeerState | None:
         """A validated header straight from its sender: it is alive, at this step.
-        `proven`: a reply from the endpoint the header names (or a keyed group)."""
+        `proven`: a reply to our own ping of that name, from the endpoint the header names
+        (keyed: that name's key answered there). `source`: who sent it (its address, or its
+        key's name), charged for the names its peer list introduces."""
         pid = h["from"]
         if pid == self.me:
             return None
@@ -139,9 +162,9 @@ class PeerTable:
                 # pings in its name (its address is public) must not keep a ghost there
                 answering = p.answered is not None and now - p.answered <= self.silence(p)
                 moving = answering and p.endpoint != h["ep"]
-                if not proven or moving:  # check it ourselves (ping_targets)
+                if not proven or moving:  # check it ourselves (heartbeat.py)
                     if pid in self.claims or len(self.claims) < self.max_peers:
-                        self.claims[pid] = (h["ep"], h["inc"], now)
+                        self.claims[pid] = (h["ep"], h["inc"], now, source)
                     return None
             elif p is not None and p.status == "leaving" and not proven:
                 return None  # only its own endpoint can say it is still here
@@ -149,7 +172,7 @@ class PeerTable:
                 return None
             if p is None or p.incarnation != h["inc"]:
                 # new, or restarted: its old measurements describe another process
-                p = self.peers[pid] = PeerState(pid, h["ep"], h["inc"])
+                p = self.peers[pid] = PeerState(pid, h["ep"], h["inc"], source=source)
                 self.tombstones.pop(pid, None)
             elif proven and (p.status == "leaving" or p.doubted):
                 self.forged += 1  # it answered from its endpoint: the goodbye was not its own
@@ -169,18 +192,23 @@ class PeerTable:
             for lid, bw, rtt in h.get("links", []):
                 p.their_links[lid] = (bw, rtt)
             for rec in h.get("peers", []):
-                self._introduce(rec)
+                self._introduce(rec, source or pid)
             return p
 
-    def _introduce(self, rec: dict[str, Any]) -> None:
+    def _introduce(self, rec: dict[str, Any], source: str) -> None:
+        """A name from someone's peer list: a hint ("dead", never listed nor chosen) until
+        our own ping reaches it there; a name we know already is not moved by hearsay."""
         pid = rec["id"]
         if pid == self.me or pid in self.peers or self.tombstones.get(pid) == rec["inc"]:
             return
-        if not self._make_room(live_ok=False):
+        if not self.known(pid):  # keyed: no key, never dialled nor listed
+            return
+        hints = sum(p.source == source and p.hint for p in self.peers.values())
+        if hints >= MAX_HINTS_PER_SOURCE or not self._make_room(live_ok=False):
             return
         p = PeerState(pid, rec["ep"], rec["inc"], status="dead", ready=rec["ready"])
-        p.step = rec["step"]
-        self.peers[pid] = p  # "dead" until it answers our own ping
+        p.step, p.source = rec["step"], source
+        self.peers[pid] = p
 
     def _make_room(self, live_ok: bool) -> bool:
         """Room for one more entry (called under the lock); False when there is none."""
@@ -304,7 +332,7 @@ class PeerTable:
         now = time.monotonic()
         newly = []
         with self.lock:
-            for pid, (_, _, when) in list(self.claims.items()):
+            for pid, (_, _, when, _) in list(self.claims.items()):
                 if now - when > self.dead_after:  # never proven: forget it
                     del self.claims[pid]
             for pid, p in list(self.peers.items()):
@@ -317,7 +345,9 @@ class PeerTable:
                     p.status, p.ready, p.misses = "dead", False, 0
                     newly.append(pid)
                 heard = p.last_heard if p.last_heard is not None else p.first_seen
-                if p.status != "alive" and now - heard > FORGET_AFTER_S:
+                # never answered our ping: someone's word only, kept HINT_TTL_S
+                keep = FORGET_AFTER_S if p.reached is not None else HINT_TTL_S
+                if p.status != "alive" and now - heard > keep:
                     del self.peers[pid]
         return newly
 
@@ -325,11 +355,15 @@ class PeerTable:
         """How long p may be silent before it is dead: dead_after on a fast link; on a slow
         or far one, as long as a ping may wait behind the exchange messages queued on it,
         plus a few round trips, both as measured (a 0.8 MB unit takes 3 s at 2 Mb/s: a 1 s
-        dead_after declared such a partner dead while it was sending)."""
+        dead_after declared such a partner dead while it was sending). Before our own
+        ping reached it, nothing is measured: FIRST_CONTACT_S at least (over a far link the
+        first handshakes take seconds, and its heartbeat may wait on its probe of us)."""
         wait = SILENT_RTTS * (p.rtt or 0.0)
         if p.bw:
             wait += self.queued_bytes / p.bw
-        return max(self.dead_after, min(wait, MAX_DEAD_AFTER_S))
+        unmeasured = p.reached is None and p.answered is None
+        floor = max(self.dead_after, FIRST_CONTACT_S) if unmeasured else self.dead_after
+        return max(floor, min(wait, MAX_DEAD_AFTER_S))
 
     # ------------------------------------------------------------ queries
     def get(self, pid: str) -> PeerState | None:
@@ -358,31 +392,41 @@ class PeerTable:
                 and now >= self.penalties.get(p.id, 0.0)
             ]
 
-    def ping_targets(self, retry_dead_every: float) -> list[PeerState]:
-        """Alive peers every heartbeat; dead ones (and introduced ones) now and then."""
+    def ping_targets(self, retry_dead_every: float) -> tuple[list, list]:
+        """Whom to ping: (pid, endpoint, once) for peers whose endpoint answered us before
+        (alive ones every heartbeat, dead ones now and then, over a socket that dials
+        once), and (pid, endpoint, source) for endpoints that never did: entries made from
+        a message or a peer list, and claimed moves (heartbeat.py dials those within its
+        budget)."""
         now = time.monotonic()
+        known, unknown = [], []
         with self.lock:
-            out = []
             for p in self.peers.values():
                 if not p.endpoint:
                     continue  # a client with no address: it pings us
-                if p.status == "alive" and p.reachable is False:
+                if p.reached is None:  # its own word, or hearsay: not proven yet
+                    if p.status != "left" and now >= p.next_ping:
+                        unknown.append((p.id, p.endpoint, p.source))
+                elif p.status == "alive" and p.reachable is False:
                     if now >= p.next_ping:  # asked again now and then (pinged sets when)
-                        out.append(p)
+                        known.append((p.id, p.endpoint, False))
                 elif p.status in ("alive", "leaving"):
-                    out.append(p)
+                    known.append((p.id, p.endpoint, False))
                 elif p.status == "dead" and now >= p.next_ping:
                     p.next_ping = now + retry_dead_every
-                    out.append(p)
-            return out
+                    known.append((p.id, p.endpoint, True))
+            unknown += [(pid, ep, src) for pid, (ep, _, _, src) in self.claims.items() if ep]
+        return known, unknown
 
     def unproven(self) -> list[tuple[str, str]]:
         """(id, endpoint) of claims to check with a ping of our own."""
         with self.lock:
-            return [(pid, ep) for pid, (ep, _, _) in self.claims.items() if ep]
+            return [(pid, c[0]) for pid, c in self.claims.items() if c[0]]
 
     def listing(self) -> list[dict[str, Any]]:
-        """Alive peers, for our heartbeats (first-hand knowledge only)."""
+        """Alive peers whose endpoint answered our own ping, for our heartbeats (first-hand
+        knowledge only: a name we only heard of, or an address not proven, is nobody's
+        to dial on our word)."""
         with self.lock:
             return [
                 {
@@ -393,7 +437,7 @@ class PeerTable:
                     "ready": p.ready,
                 }
                 for p in self.peers.values()
-                if p.status == "alive" and p.reachable is not False  # nobody can dial a client
+                if p.status == "alive" and p.reachable is True and self.known(p.id)
             ][: MAX_LISTED - 1]
 
     def links(self) -> list[list]:
@@ -434,154 +478,3 @@ class PeerContext:
     header: Callable[[str, int, str], dict[str, Any]]  # (kind, rid, to) -> a message header
     log: logging.LoggerAdapter  # lines prefixed with the peer's id
     stop: threading.Event  # set when the peer closes: every loop ends within its poll
-
-
-class Membership:
-    """The heartbeat thread: ping everyone known (and the seeds), probe new links, sweep."""
-
-    def __init__(
-        self,
-        ctx: PeerContext,
-        *,
-        table: PeerTable,
-        client: Client,
-        seeds: list[str],
-        heartbeat_s: float,
-        probe_bytes: int,
-        on_tick: Callable[[], None],
-        on_verdict: Callable[[str, bool], None] | None = None,
-    ):
-        self.table, self.client, self.header = table, client, ctx.header
-        # a member's word on whether it reached our endpoint (a pong's `reach`)
-        self.on_verdict = on_verdict or (lambda member, reachable: None)
-        self.seeds = list(seeds)
-        self.heartbeat_s = heartbeat_s
-        self.probe_bytes = probe_bytes
-        self.log, self.stop, self.on_tick = ctx.log, ctx.stop, on_tick
-        self.proven = False  # a keyed group: every sender is bound to its key
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()  # check_soon
-
-    def ping_header(self, kind: str = "ping", to: str = "") -> dict[str, Any]:
-        h = self.header(kind, self.client.next_rid(), to)
-        h["peers"] = self.table.listing()
-        h["links"] = self.table.links()
-        return h
-
-    def ping_round(self, timeout: float | None = None) -> list[PeerState]:
-        """Ping every target once (seeds whose owner we do not know yet, and endpoints
-        claimed but not proven, too); returns the peers that answered."""
-        targets = self.table.ping_targets(retry_dead_every=3 * self.heartbeat_s)
-        by_endpoint = {p.endpoint: p.id for p in targets}  # one ping per endpoint
-        for pid, ep in self.table.unproven():
-            by_endpoint.setdefault(ep, pid)
-        known = {p.endpoint for p in self.table.alive()} | set(by_endpoint)
-        items = [(ep, (pid, ep), self.ping_header(to=pid), []) for ep, pid in by_endpoint.items()]
-        items += [(ep, (ep,), self.ping_header(), []) for ep in self.seeds if ep not in known]
-        sent = time.monotonic()
-        replies = self.client.request_many(items, timeout or max(0.5, self.heartbeat_s))
-        answered = []
-        for ep, reply in replies.items():
-            addressed = by_endpoint.get(ep)  # None: a seed whose owner we do not know yet
-            if reply is None:
-                if addressed is not None:
-                    self.table.pinged(addressed, False, self.heartbeat_s)
-                continue
-            h = reply.header
-            if addressed is not None and h["from"] != addressed:
-                continue  # someone else answers there: proves nothing about either
-            if addressed is not None:
-                self.table.pinged(addressed, True, self.heartbeat_s)  # its endpoint answers
-            if "reach" in h:
-                self.on_verdict(h["from"], h["reach"])
-            proof = self.proven or h["ep"] == ep  # it answered from where it says it is
-            if h["kind"] == "nack" and h.get("reason") == "leaving":
-                known = self.table.get(h["from"])
-                if proof and known is not None and known.endpoint == ep:
-                    self.table.left(h["from"], h["inc"])
-                continue
-            if h["kind"] != "pong":
-                continue
-            p = self.table.heard(h, proven=proof)
-            if p is not None:
-                self.table.rtt_sample(p.id, reply.received - sent)
-                answered.append(p)
-        return answered
-
-    def probe(self, p: PeerState) -> None:
-        """One bandwidth sample from a probe of probe_bytes: time minus the round trip."""
-        p.probed = True
-        payload = bytes(self.probe_bytes)
-        h = self.header("probe", self.client.next_rid(), p.id)
-        h["tensors"] = [{"dtype": "u8", "n": len(payload)}]
-        t0 = time.monotonic()
-        reply = self.client.request(p.endpoint, (p.id, p.endpoint), h, [payload], timeout=5.0)
-        if reply is None or reply.header["kind"] != "ack":
-            return
-        link = (reply.received - t0) - (p.rtt or 0.0)
-        if link > 1e-4:
-            self.table.bw_sample(p.id, len(payload) / link)
-
-    def tick(self) -> None:
-        self.ping_round()
-        for p in self.table.alive():
-            if not p.probed and p.endpoint and not self.stop.is_set():
-                self.probe(p)
-                break  # one probe per heartbeat keeps a tick short
-        for pid in self.table.sweep():
-            self.log.warning("peer %s stopped answering: skipped, retried later", pid)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            started = time.monotonic()
-            self._wake.clear()
-            try:
-                self.tick()
-                self.on_tick()
-            except Exception:
-                self.log.exception("heartbeat failed")
-            self._wake.wait(max(0.05, self.heartbeat_s - (time.monotonic() - started)))
-            # woken early (check_soon): not sooner than EARLY_ROUND_S after the last round
-            self.stop.wait(max(0.0, EARLY_ROUND_S - (time.monotonic() - started)))
-
-    def check_soon(self) -> None:
-        """Ping round now (within EARLY_ROUND_S), not at the next heartbeat: an unproven
-        goodbye is settled by the peer's own answer, and that should not take a second."""
-        self._wake.set()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="atom-gossip-heartbeat", daemon=True)
-        self._thread.start()
-
-    def join(self, timeout: float = 5.0) -> None:
-        self._wake.set()  # out of its wait: `stop` is set
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def goodbye(self, client: Client, timeout: float = 1.0) -> set[str]:
-        """Tell every alive peer we are leaving; returns the ids that acknowledged."""
-        alive = [p for p in self.table.alive() if p.endpoint]
-        items = [
-            (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid(), p.id), [])
-            for p in alive
-        ]
-        if not items:
-            return set()
-        replies = client.request_many(items, timeout)
-        return {p.id for p in alive if replies.get(p.endpoint) is not None}
-
-
-def handle_control(
-    table: PeerTable, incoming: Incoming, proven: bool, on_doubt: Callable[[], None]
-) -> str | None:
-    """Server side of ping / probe / bye: update the table; the reply kind to send.
-    `proven`: the sender's name is bound to its connection (a keyed group). `on_doubt`:
-    called for an unproven goodbye of a peer proven alive (check it now)."""
-    h = incoming.header
-    kind = h["kind"]
-    if kind == "bye":
-        if table.left(h["from"], h["inc"], proven):
-            on_doubt()
-        return "ack"
-    table.heard(h, proven)
-    return {"ping": "pong", "probe": "ack"}.get(kind)

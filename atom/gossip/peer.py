@@ -30,13 +30,14 @@ from atom.config import Config, ConfigError
 from atom.config.gossip import GossipConfig, endpoint_host, is_loopback, parse_rates
 from atom.engine_protocol import SharedUnit
 from atom.gossip.averager import Averager, GossipError
-from atom.gossip.membership import Membership, PeerContext, PeerState, PeerTable, handle_control
+from atom.gossip.heartbeat import Membership, handle_control
+from atom.gossip.membership import PeerContext, PeerState, PeerTable
 from atom.gossip.merge import UnitParams, make_merge
 from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import get_codec
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.handshake import SeedWatch
-from atom.gossip.net.keys import GroupKeys, load_bundle, start_authenticator
+from atom.gossip.net.keys import GroupKeys, check_seed_names, load_bundle, start_authenticator
 from atom.gossip.net.replay import RequestIds
 from atom.gossip.net.shaping import LinkShaper
 from atom.gossip.net.transport import MISMATCHES, Incoming, Reply, Server
@@ -72,7 +73,7 @@ def _lan_address() -> str:
 def advertised(bound: str) -> str:
     host = endpoint_host(bound)
     if host in ("0.0.0.0", "::", "*"):
-        return bound.replace(host, _lan_address(), 1)
+        return f"tcp://{_lan_address()}:{bound.rsplit(':', 1)[1]}"
     return bound
 
 
@@ -110,6 +111,8 @@ class GossipPeer:
                 f"{self.keys.name!r}: in a keyed group a peer is named by its key; drop --name"
             )
         self.id = gcfg.name or (self.keys.name if self.keys else default_name())
+        check_seed_names(self.keys, gcfg.seed_names)  # --join NAME@...: NAME has a key
+        self._seeds: SeedWatch | None = None  # while joining: who listens at each seed
         self.incarnation = secrets.randbits(62)
         self.group = self.keys.group_id if self.keys else f"open:{gcfg.group}"[:64]
         self.log = PeerLog(log, {"peer": self.id})
@@ -136,8 +139,10 @@ class GossipPeer:
         self.auth = None
         self.shaper = LinkShaper(gcfg.link_mbps, parse_rates(gcfg.link_mbps_to))
         codec = get_codec(gcfg.codec, gcfg.topk_fraction)
-        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers,
-                               queued_bytes=2 * max(gcfg.lanes, 1) * codec.wire_bytes(largest))
+        queued = 2 * max(gcfg.lanes, 1) * codec.wire_bytes(largest)
+        self.table = PeerTable(self.id, gcfg.dead_after_s, gcfg.penalty_s, gcfg.max_peers, queued)
+        if self.keys is not None:  # a name without a key is never listed nor dialled
+            self.table.known = lambda pid: self.keys.key_of(pid) is not None
         self.join_refusal: tuple[str, Rejected] | None = None  # who refused us, and why
         self.merge = make_merge(gcfg.strategy, params, gcfg)
         guard = DiffGuard(gcfg.clip_factor, gcfg.reject_factor, gcfg.max_relative)
@@ -173,8 +178,9 @@ class GossipPeer:
             probe_bytes=min(gcfg.probe_kb * 1024, self.max_bytes // 2),
             on_tick=self.write_status,
             on_verdict=lambda member, ok: self.reach.verdict(member, ok),
+            seed_owner=self._seed_owner,
+            keyed=self.keys is not None,
         )
-        self.membership.proven = self.keys is not None
         self.reach = Reachability(self.log)  # member or client: what the members say
         self.server: Server | None = None
         self.endpoint = ""
@@ -250,9 +256,16 @@ class GossipPeer:
             reply = self.averager.serve_exchange(incoming)
         else:
             reply = self.averager.serve_state(incoming)
-        # only once its tensors passed every check
-        self.table.heard(incoming.header, proven=self.keys is not None)
+        # only once its tensors passed every check; its address stays a claim until our
+        # own ping proves it (heartbeat.py), keyed or not
+        h = incoming.header
+        self.table.heard(h, source=h["from"] if self.keys is not None else incoming.address)
         return reply
+
+    def _seed_owner(self, endpoint: str) -> str | None:
+        """Keyed: the member found listening at a seed (or named for it), else None."""
+        watch = self._seeds
+        return watch.owner(endpoint) if watch is not None else self.cfg.seed_names.get(endpoint)
 
     def _on_reply_reject(self, err: Rejected, address: str) -> None:
         """A reply to our own request failed its check: a member of another group, model or
@@ -363,7 +376,7 @@ class GossipPeer:
         """Wait until a seed's member answers; a refusal (another model, no or another
         key) ends the wait at once with the reason, not at the join timeout."""
         deadline = time.monotonic() + self.cfg.join_timeout_s
-        watch = SeedWatch(self.ctx, self.keys, self.cfg.seeds)
+        watch = self._seeds = SeedWatch(self.ctx, self.keys, self.cfg.seeds, self.cfg.seed_names)
         try:
             while not self._ready_sources():
                 if self.join_refusal is not None:
@@ -388,6 +401,7 @@ class GossipPeer:
         """gossip.wait_peers: start together (a group of friends, a fair experiment)."""
         want = self.cfg.wait_peers
         deadline = time.monotonic() + self.cfg.join_timeout_s
+
         def ready() -> int:  # clients count: they train with the group
             return sum(p.ready for p in self.table.alive())
 
@@ -399,7 +413,7 @@ class GossipPeer:
 
     def _ready_sources(self) -> list[PeerState]:
         """Ready members we can dial (a client holds the weights too, but nobody can ask)."""
-        ready = [p for p in self.table.alive() if p.ready and p.reachable is not False]
+        ready = [p for p in self.table.alive() if p.ready and p.reachable is True]
         return sorted(ready, key=lambda p: p.rtt if p.rtt is not None else 1e9)
 
     def listener_closed(self) -> contextlib.AbstractContextManager:

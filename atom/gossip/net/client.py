@@ -9,6 +9,13 @@ link, longer than a heartbeat's ping waits), and closing it would start them all
 every ping, so that a far peer could never be reached. Nothing here blocks without a
 timeout. One instance per thread (zmq sockets are not thread-safe); a peer's clients
 share one source of request ids (servers refuse a rid seen before: replay.py).
+
+In a keyed group a request goes to the member its header names (`to`), with that name's
+public key as the server key (keys.py): only that member can complete the handshake, a
+name with no key in allowed/ is never dialled, and a reply whose `from` is another name
+is refused. A socket the caller marks `once` (an endpoint that has never answered us:
+someone else's word, membership.py) makes one connection attempt and never reconnects,
+so a dead or foreign endpoint costs one connection per dial, not libzmq's redials.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class Client:
         self.shaper, self.counters, self.on_reject, self.stop = shaper, counters, on_reject, stop
         self.me = me
         self._socks: dict[str, zmq.Socket] = {}
+        self._names: dict[str, str] = {}  # endpoint -> the name its socket was dialled as
         self._unheard: dict[str, float] = {}  # endpoint -> when its socket opened, until a reply
         # one source for all of a peer's clients: servers refuse a (sender, rid) seen before
         self._rid = rids if rids is not None else RequestIds()
@@ -57,9 +65,18 @@ class Client:
     def next_rid(self) -> int:
         return next(self._rid)
 
-    def _socket(self, endpoint: str) -> zmq.Socket:
+    def _socket(self, endpoint: str, name: str, once: bool = False) -> zmq.Socket | None:
+        """The socket to `endpoint` dialled as `name`; None if a keyed group has no key
+        for that name (it is not dialled at all)."""
         sock = self._socks.get(endpoint)
+        if sock is not None and self.keys is not None and self._names.get(endpoint) != name:
+            self.drop(endpoint)  # another member now said to be there: its own key
+            sock = None
         if sock is None:
+            server_key = self.keys.key_of(name) if self.keys is not None else None
+            if self.keys is not None and server_key is None:
+                self.counters.inc("sent.unkeyed")
+                return None
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0  # close() drops whatever a dead peer never took
             sock.sndtimeo = 0
@@ -67,25 +84,40 @@ class Client:
             sock.rcvhwm = 16
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            secure_client(sock, self.keys)
+            if once:  # one connection attempt: never redialled (libzmq: -1, no reconnect)
+                sock.setsockopt(zmq.RECONNECT_IVL, -1)
+            secure_client(sock, self.keys, server_key)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
+            self._names[endpoint] = name
             self._unheard[endpoint] = time.monotonic()
         return sock
 
+    def holds(self, endpoint: str, name: str) -> bool:
+        """A socket to `endpoint`, dialled as `name` (keyed groups), is open (connected,
+        or still in its handshakes): a request to it opens no new connection."""
+        return endpoint in self._socks and (self.keys is None or self._names[endpoint] == name)
+
     def drop(self, endpoint: str) -> None:
         self._unheard.pop(endpoint, None)
+        self._names.pop(endpoint, None)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
 
-    def send(self, endpoint: str, dest: tuple[str, ...], header: dict, buffers: list) -> bool:
-        """Shape, then queue one message; False if it could not be queued or we stopped."""
+    def send(
+        self, endpoint: str, dest: tuple[str, ...], header: dict, buffers: list, once: bool = False
+    ) -> bool:
+        """Shape, then queue one message to the member `header["to"]` names; False if it
+        could not be queued, has no key to be dialled with, or we stopped."""
         data = pack(header)
         if not self.shaper.wait(dest, len(data) + frames_nbytes(buffers), self.stop):
             return False
+        sock = self._socket(endpoint, header["to"], once)
+        if sock is None:
+            return False
         try:
-            self._socket(endpoint).send_multipart([data, *buffers], copy=False)
+            sock.send_multipart([data, *buffers], copy=False)
         except zmq.ZMQError:  # EAGAIN: HWM full, the peer is not taking messages
             self.drop(endpoint)
             return False
@@ -110,13 +142,17 @@ class Client:
         return self._await({endpoint: header["rid"]}, deadline, abort).get(endpoint)
 
     def request_many(
-        self, items: list[tuple[str, tuple[str, ...], dict, list]], timeout: float
+        self,
+        items: list[tuple[str, tuple[str, ...], dict, list]],
+        timeout: float,
+        once: set[str] | frozenset[str] = frozenset(),
     ) -> dict[str, Incoming | None]:
-        """Send one request to each endpoint, then collect replies until the deadline."""
+        """Send one request to each endpoint, then collect replies until the deadline.
+        Endpoints in `once` get (if new) a socket that dials once and never again."""
         deadline = time.monotonic() + timeout
         waiting = {}
         for endpoint, dest, header, buffers in items:
-            if self.send(endpoint, dest, header, buffers):
+            if self.send(endpoint, dest, header, buffers, once=endpoint in once):
                 waiting[endpoint] = header["rid"]
         replies = self._await(waiting, deadline)
         return {item[0]: replies.get(item[0]) for item in items}
@@ -131,7 +167,7 @@ class Client:
             if left <= 0:
                 break
             poller = zmq.Poller()
-            socks = {self._socket(ep): ep for ep in pending}
+            socks = {self._socks[ep]: ep for ep in pending if ep in self._socks}
             for sock in socks:
                 poller.register(sock, zmq.POLLIN)
             for sock, _ in poller.poll(min(left, POLL_MS / 1000) * 1000):
@@ -141,7 +177,7 @@ class Client:
                 except zmq.Again:
                     continue
                 self._unheard.pop(ep, None)  # connected: its handshakes are done
-                reply = self._check(parts, pending[ep])
+                reply = self._check(parts, pending[ep], self._names.get(ep, ""))
                 if reply is False:
                     continue  # a stale reply to an earlier, timed-out request
                 if reply is not None:
@@ -155,7 +191,7 @@ class Client:
             out[ep] = None
         return out
 
-    def _check(self, parts: list, rid: int) -> Incoming | None | bool:
+    def _check(self, parts: list, rid: int, name: str) -> Incoming | None | bool:
         nbytes, address = received(parts, self.counters)
         try:
             header = read_header(parts, nbytes, self.max_bytes, self.expect)
@@ -163,6 +199,8 @@ class Client:
                 return False
             if header["to"] != self.me:  # not an answer to us (a reflected or forged reply)
                 raise Rejected("misdirected", f"a reply for {header['to']!r}")
+            if self.keys is not None and header["from"] != name:  # the key was name's
+                raise Rejected("identity", f"{name}'s key answered as {header['from']!r}")
             check_frames(header, parts[1:])
         except Rejected as err:
             self.on_reject(err, address)

@@ -9,6 +9,8 @@ join timeout and was told to check the firewall. The joiner watches its seeds' h
 
 from __future__ import annotations
 
+import threading
+
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -71,54 +73,133 @@ def member_note(event: dict) -> str | None:
             "refused a connection without a group key (a peer started without --group-key: "
             "it is told to add one)"
         )
-    return "refused a connection with another group's key (its CURVE handshake failed)"
+    return (
+        "refused a connection with another group's key, or one that dialled this member as "
+        "another member (its CURVE handshake failed; a joiner given --join tcp://... alone "
+        "tries the group's keys to find who listens here)"
+    )
 
 
 class SeedWatch:
-    """A joiner's view of its seeds' handshakes: one quiet connection per seed, monitored,
-    that sends nothing. `refusal()` is one line once every seed refused this peer.
+    """A joiner's view of its seeds' handshakes: quiet connections, monitored, that send
+    nothing. `refusal()` is one line once every seed refused this peer; `owners` names the
+    member found at each seed (keyed groups: the name whose key completed the handshake).
+
+    Keyless, one connection per seed. Keyed, a seed is dialled with the key of the member
+    named for it (`--join NAME@tcp://...`) or, its owner unknown, with each allow-listed key
+    in turn (PROBES at a time): a member serves with its own key, so only its own name's
+    completes the handshake (the others hang up at once: the member cannot open them).
 
     A member that hangs up mid-handshake says nothing more (zmq's "no detail"): that is what
-    a wrong group key looks like from here, and also a member busy reopening its listener,
-    so it counts as a refusal only after HANG_UPS in a row (zmq redials every 100 ms)."""
+    a wrong key looks like from here, and also a member busy reopening its listener, so it
+    counts as a refusal only after HANG_UPS in a row (zmq redials every 100 ms)."""
 
     HANG_UPS = 5
+    PROBES = 8  # keys tried on one seed at once
 
-    def __init__(self, ctx: zmq.Context, keys: GroupKeys | None, endpoints: list[str]):
-        self.keys = keys
-        self._watched: list[tuple[str, zmq.Socket, zmq.Socket]] = []
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        keys: GroupKeys | None,
+        endpoints: list[str],
+        names: dict[str, str] | None = None,
+    ):
+        self.ctx, self.keys = ctx, keys
+        self.endpoints = list(endpoints)
+        self.named = dict(names or {})  # endpoint -> the member the user said listens there
+        self.owners: dict[str, str] = {}  # endpoint -> the member found there
+        # endpoint -> names still to try; (endpoint, name) -> (socket, monitor) being tried
+        self._queue: dict[str, list[str]] = {}
+        self._probes: dict[tuple[str, str], tuple[zmq.Socket, zmq.Socket]] = {}
         self._verdicts: dict[str, str | None] = {}
-        self._hang_ups: dict[str, int] = {}
-        for endpoint in endpoints:
-            sock = ctx.socket(zmq.DEALER)
+        self._hang_ups: dict[tuple[str, str], int] = {}
+        self._last: dict[str, dict] = {}  # endpoint -> its last failed probe's event
+        self._lock = threading.Lock()  # the joiner's thread and the heartbeat both poll
+        for endpoint in self.endpoints:
+            if keys is None:
+                self._queue[endpoint] = [""]
+            elif endpoint in self.named:
+                self._queue[endpoint] = [self.named[endpoint]]
+            else:
+                self._queue[endpoint] = keys.allow.names()
+            self._fill(endpoint)
+
+    def _fill(self, endpoint: str) -> None:
+        """Start probes on `endpoint` until PROBES run (or no key is left to try)."""
+        queue = self._queue[endpoint]
+        while queue and sum(ep == endpoint for ep, _ in self._probes) < self.PROBES:
+            name = queue.pop(0)
+            server_key = self.keys.key_of(name) if self.keys is not None else None
+            if self.keys is not None and server_key is None:
+                continue  # no such member (a NAME@ for a key not in allowed/)
+            sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            secure_client(sock, keys)
+            secure_client(sock, self.keys, server_key)
             monitor = sock.get_monitor_socket(FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(endpoint)
-            self._watched.append((endpoint, sock, monitor))
+            self._probes[(endpoint, name)] = (sock, monitor)
+
+    def _end(self, endpoint: str, name: str | None = None) -> None:
+        """Close one probe (`name`), or all of the endpoint's."""
+        for key in [k for k in self._probes if k[0] == endpoint and name in (None, k[1])]:
+            sock, monitor = self._probes.pop(key)
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+    def _decide(self, endpoint: str, name: str, event: dict) -> None:
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if self.keys is not None:
+                self.owners[endpoint] = name
+            self._verdicts[endpoint] = None
+            self._queue[endpoint] = []
+            self._end(endpoint)
+            return
+        said = _mechanism_mismatch(event) or event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        if hung_up(event) or (self.keys is not None and not said):  # keyed: not this key
+            strikes = self._hang_ups.get((endpoint, name), 0) + 1
+            self._hang_ups[(endpoint, name)] = strikes
+            if strikes < self.HANG_UPS:
+                return
+            self._last[endpoint] = event
+            self._end(endpoint, name)  # not this key (or nobody answers there): the next
+            self._fill(endpoint)
+            if any(ep == endpoint for ep, _ in self._probes):
+                return
+        self._verdicts[endpoint] = self._verdict(endpoint, event)
+        self._queue[endpoint] = []
+        self._end(endpoint)
+
+    def _verdict(self, endpoint: str, event: dict) -> str:
+        name = self.named.get(endpoint)
+        if self.keys is not None and name and hung_up(event):
+            return (
+                f"the member at {endpoint} is not {name} (it does not hold {name}'s key) or "
+                "runs with another group's key: check the name in --join NAME@tcp://... or "
+                "give the address alone"
+            )
+        return joiner_verdict(event, endpoint, self.keys) or ""
+
+    def poll(self) -> None:
+        with self._lock:
+            for (endpoint, name), (_, monitor) in list(self._probes.items()):
+                while (endpoint, name) in self._probes and monitor.poll(0):
+                    self._decide(endpoint, name, recv_monitor_message(monitor))
 
     def refusal(self) -> str | None:
-        for endpoint, _, monitor in self._watched:
-            while monitor.poll(0):
-                event = recv_monitor_message(monitor)
-                if endpoint in self._verdicts:  # a success, or a refusal that said why
-                    continue
-                if hung_up(event):
-                    self._hang_ups[endpoint] = self._hang_ups.get(endpoint, 0) + 1
-                    if self._hang_ups[endpoint] < self.HANG_UPS:
-                        continue
-                else:
-                    self._hang_ups[endpoint] = 0
-                self._verdicts[endpoint] = joiner_verdict(event, endpoint, self.keys)
-        said = [self._verdicts.get(ep, "") for ep, _, _ in self._watched]
+        self.poll()
+        said = [self._verdicts.get(ep, "") for ep in self.endpoints]
         if said and all(said):  # every seed answered, and each refused
             return said[0]
         return None
 
+    def owner(self, endpoint: str) -> str | None:
+        """The member found at a seed (keyed groups), or named for it; None: not yet."""
+        self.poll()
+        return self.owners.get(endpoint) or self.named.get(endpoint)
+
     def close(self) -> None:
-        for _, sock, monitor in self._watched:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close(linger=0)
-        self._watched.clear()
+        with self._lock:
+            for endpoint in self.endpoints:
+                self._end(endpoint)

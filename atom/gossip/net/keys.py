@@ -1,22 +1,32 @@
-"""Group keys: CURVE (zmq.auth) so that only allow-listed peers reach the averager.
+"""Group keys: CURVE (zmq.auth), so that only allow-listed peers reach the averager and
+every member is reached only as itself.
 
 The scheme (`atom keygen DIR --peers alice,bob,carol`):
 
-    DIR/group.key, group.key_secret   the group's server keypair, shared by all members:
-                                      every peer's ROUTER serves with it, so a peer can
-                                      dial any member knowing only its address
+    DIR/group.key, group.key_secret   the group's keypair: its public half names the group
+                                      (the `group` field of every header)
     DIR/allowed/NAME.key              each peer's own public key: the allow-list
     DIR/NAME/                         the bundle to copy to peer NAME's machine:
-        group.key_secret, NAME.key_secret (its own client keypair), allowed/ (all public keys)
+        group.key_secret, NAME.key_secret (its own keypair), allowed/ (all public keys)
 
-A connection is accepted only when the client proves it holds a secret key whose public
-half is in allowed/ (ZAP, checked by ThreadAuthenticator before any message is
-delivered). Adding a peer later (`atom keygen DIR --peers dave`) writes dave's bundle and
-his public key into every bundle's allowed/; running peers re-read allowed/ when it
-changes. The authenticator names each connection by its key's file name (ZAP User-Id),
-so a member speaks only as itself: the server refuses a message whose sender field is
-another name (transport.py). To revoke a peer, delete its key from allowed/ everywhere
-and make a new group (its copy of the group secret could otherwise impersonate a server).
+Both ends of every connection are a member's own key. A member's server (its ROUTER)
+serves with its own keypair, and a peer that dials a member it knows by name sets that
+name's public key (allowed/NAME.key) as the server key: only the holder of NAME's secret
+completes the handshake, so whatever answers on that connection is NAME (client.py also
+refuses a reply whose `from` is another name). A name with no key in allowed/ is never
+dialled. A connection is accepted only when the client proves it holds a secret key
+whose public half is in allowed/ (ZAP, checked by ThreadAuthenticator before any message
+is delivered); the authenticator names each connection by its key's file name (ZAP
+User-Id), so a member speaks only as itself: the server refuses a message whose sender
+field is another name (transport.py).
+
+A joiner given a seed's address alone (`--join tcp://HOST:PORT`) does not know whose key
+to dial it with: it tries the allow-listed keys until one completes the handshake
+(handshake.SeedWatch); `--join NAME@tcp://HOST:PORT` says it. Adding a peer later (`atom
+keygen DIR --peers dave`) writes dave's bundle and his public key into every bundle's
+allowed/; running peers re-read allowed/ when it changes. To revoke a peer, delete its key
+from allowed/ everywhere: nobody then accepts its connections nor dials it (the group
+keypair serves no connection: a revoked member's copy of it opens nothing).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -52,6 +62,15 @@ class GroupKeys:
     public: bytes
     secret: bytes
     allowed_dir: Path
+    # name <-> public key, re-read when allowed/ changes (ZAP's check, and whose key to dial)
+    allow: AllowList = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allow", AllowList(self.allowed_dir))
+
+    def key_of(self, name: str) -> bytes | None:
+        """The public key a member called `name` serves with (None: not allow-listed)."""
+        return self.allow.key_of(name)
 
     @property
     def group_id(self) -> str:
@@ -134,14 +153,26 @@ def load_bundle(path: str | Path) -> GroupKeys:
     )
 
 
-class AllowList:
-    """ZAP credentials provider: is this client's public key in allowed/? Re-reads the
-    directory when it changes (at most once a second) so a new member needs no restart."""
+def check_seed_names(keys: GroupKeys | None, names: dict[str, str]) -> None:
+    """--join NAME@ENDPOINT in a keyed group: NAME must be allow-listed (its key dials it)."""
+    for endpoint, name in names.items():
+        if keys is not None and keys.key_of(name) is None:
+            raise ConfigError(
+                f"--join {name}@{endpoint}: no key for {name!r} in {keys.allowed_dir}; name "
+                "a member of the group, or give the address alone"
+            )
 
-    def __init__(self, allowed_dir: Path, on_denied: Callable[[str], None]):
+
+class AllowList:
+    """allowed/: the members' names and public keys. ZAP's credentials provider (is this
+    client's key in it?) and the key to dial a name with. Re-reads the directory when it
+    changes (at most once a second) so a new member needs no restart."""
+
+    def __init__(self, allowed_dir: Path, on_denied: Callable[[str], None] | None = None):
         self.dir = allowed_dir
-        self.on_denied = on_denied
+        self.on_denied = on_denied or (lambda key: None)
         self._keys: dict[bytes, str] = {}  # public key -> its file's name (the peer's)
+        self._names: dict[str, bytes] = {}  # and back
         self._stamp: tuple = ()
         self._checked = 0.0
         self._lock = threading.Lock()
@@ -160,12 +191,17 @@ class AllowList:
             except (OSError, ValueError):
                 log.warning("skipping unreadable public key %s", f)
         self._keys, self._stamp = keys, stamp
+        self._names = {name: key for key, name in keys.items()}
+
+    def _fresh(self) -> None:
+        """Re-read allowed/ if a second has passed (called under the lock)."""
+        if time.monotonic() - self._checked > 1.0:
+            self._checked = time.monotonic()
+            self._reload()
 
     def callback(self, domain: str, key: bytes) -> bool:
         with self._lock:
-            if time.monotonic() - self._checked > 1.0:
-                self._checked = time.monotonic()
-                self._reload()
+            self._fresh()
             ok = key in self._keys
         if not ok:
             self.on_denied(key.decode("ascii", "replace"))
@@ -174,6 +210,16 @@ class AllowList:
     def name_of(self, key: bytes) -> str:
         with self._lock:
             return self._keys.get(key, "")
+
+    def key_of(self, name: str) -> bytes | None:
+        with self._lock:
+            self._fresh()
+            return self._names.get(name)
+
+    def names(self) -> list[str]:
+        with self._lock:
+            self._fresh()
+            return sorted(self._names)
 
 
 class GroupAuthenticator(ThreadAuthenticator):
@@ -199,7 +245,8 @@ class GroupAuthenticator(ThreadAuthenticator):
 def start_authenticator(
     ctx: zmq.Context, keys: GroupKeys, on_denied: Callable[[str, str], None]
 ) -> ThreadAuthenticator:
-    allow = AllowList(keys.allowed_dir, lambda key: on_denied(key, auth.address))
+    allow = keys.allow
+    allow.on_denied = lambda key: on_denied(key, auth.address)
     auth = GroupAuthenticator(ctx, allow)
     auth.start()
     auth.configure_curve_callback("*", credentials_provider=allow)
@@ -207,14 +254,20 @@ def start_authenticator(
 
 
 def secure_server(sock: zmq.Socket, keys: GroupKeys | None) -> None:
-    if keys is not None:
-        sock.curve_secretkey = keys.group_secret
-        sock.curve_publickey = keys.group_public
-        sock.curve_server = True
-
-
-def secure_client(sock: zmq.Socket, keys: GroupKeys | None) -> None:
+    """A member serves with its own keypair: only a client that dials it by its name's
+    public key completes the handshake."""
     if keys is not None:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
-        sock.curve_serverkey = keys.group_public
+        sock.curve_server = True
+
+
+def secure_client(sock: zmq.Socket, keys: GroupKeys | None, server_key: bytes | None) -> None:
+    """Dial as this peer's own key, expecting `server_key` (the member's own public key)
+    at the other end: the handshake fails unless that member's secret answers."""
+    if keys is not None:
+        if server_key is None:
+            raise ValueError("a keyed peer dials a member only with that member's key")
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_serverkey = server_key

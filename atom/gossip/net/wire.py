@@ -13,6 +13,7 @@ Header fields (all messages):
     group    group id (hash of the group key, or "open:" + gossip.group)
     fp       model fingerprint: hash of every unit's parameter names, shapes, dtype
     from     sender id;  inc  sender incarnation (new on every start);  ep  its endpoint
+             (tcp://IP:PORT with a literal address, or "" for a client that listens nowhere)
     rid      request id: unique per sender incarnation (replays are refused, net/replay.py);
              a reply echoes its request's
     to       the id the message is for ("" only for a first ping to a seed): a message
@@ -37,9 +38,11 @@ from typing import Any
 
 import msgpack
 
-from atom.config.gossip import CODECS, check_endpoint
+from atom.config.gossip import CODECS, wire_endpoint
 
-PROTOCOL = 3  # 2: `to`, rids unique per sender; 3: a pong may say `reach`
+# 2: `to`, rids unique per sender; 3: a pong may say `reach`; 4: a keyed member serves
+# with its own key (dialled as the name it is known by), endpoints are tcp://IP:PORT only
+PROTOCOL = 4
 MAX_HEADER_BYTES = 64 * 1024
 MAX_FRAMES = 8  # header + tensors; no codec needs more than 2 tensor frames
 MAX_LISTED = 256  # peers / links in one heartbeat
@@ -134,10 +137,12 @@ def _peer_id(value: Any, name: str) -> str:
 
 
 def _endpoint(value: Any, name: str) -> str:
+    """tcp://IP:PORT and nothing else (config/gossip.py wire_endpoint): a peer list is an
+    invitation to dial, so no path, host name, wildcard or port 0 is taken from the wire."""
     try:
-        return check_endpoint(_str(value, name), name)
+        return wire_endpoint(_str(value, name, 64))
     except ValueError:
-        raise Rejected("schema", f"{name} is not an endpoint") from None
+        raise Rejected("schema", f"{name} is not tcp://IP:PORT") from None
 
 
 def _bool(value: Any, name: str) -> bool:
