@@ -211,8 +211,9 @@ class Membership:
                 continue
             source = h["from"] if self.keyed else reply.address
             p = self.table.heard(h, proven=proof, source=source)
-            if addressed is not None or proof:  # its endpoint answers (after heard: it may
-                self.table.pinged(h["from"], True, self.heartbeat_s)  # have made the entry)
+            now_at = self.table.get(h["from"])  # after heard: it may have made the entry
+            if now_at is not None and now_at.endpoint == ep:  # its endpoint answers
+                self.table.pinged(h["from"], True, self.heartbeat_s)
             if p is not None:
                 self.table.rtt_sample(p.id, reply.received - sent)
                 answered.append(p)
@@ -271,16 +272,17 @@ class Membership:
             self._thread.join(timeout)
 
     def goodbye(self, client: Client, timeout: float = 1.0) -> set[str]:
-        """Tell every alive peer whose endpoint answered us that we are leaving; returns
-        the ids that acknowledged."""
-        alive = [p for p in self.table.alive() if p.endpoint and p.reached is not None]
+        """Tell every alive peer we are leaving (once: an endpoint our pings never reached
+        gets one connection attempt); returns the ids that acknowledged."""
+        alive = [p for p in self.table.alive() if p.endpoint]
         items = [
             (p.endpoint, (p.id, p.endpoint), self.header("bye", client.next_rid(), p.id), [])
             for p in alive
         ]
         if not items:
             return set()
-        replies = client.request_many(items, timeout)
+        once = {p.endpoint for p in alive if p.reached is None}
+        replies = client.request_many(items, timeout, once)
         return {p.id for p in alive if replies.get(p.endpoint) is not None}
 
 

@@ -120,8 +120,9 @@ class SeedWatch:
                 self._queue[endpoint] = [""]
             elif endpoint in self.named:
                 self._queue[endpoint] = [self.named[endpoint]]
-            else:
-                self._queue[endpoint] = keys.allow.names()
+            else:  # every member's key, this peer's own last
+                names = keys.allow.names()
+                self._queue[endpoint] = sorted(names, key=lambda n: n == keys.name)
             self._fill(endpoint)
 
     def _fill(self, endpoint: str) -> None:
