@@ -58,6 +58,13 @@ class Candidate:
     disk_tier: bool = False  # master and moments on disk (swap.disk_dir), paged around updates
     card_update: str = "none"  # swap.card_update: units whose update runs on the device
     update: str = "exact"  # swap.update: with clipping, wait for the norm, or eager
+    # with offload_activations: unit inputs (those nearest the head) kept on the device
+    # all the same; the rest offloaded. Not a swap setting: the engine offloads all or none
+    acts_on_card: int = 0
+    # the tiered plan (profiler/tiers.py): weights, optimizer state and offloaded unit
+    # inputs placed across pinned RAM and the NVMe disk, every update on the card, no host
+    # gradient. Not built in the engine yet: the plan says what it needs (tiers.needs)
+    tiered: bool = False
 
     def swap_settings(self) -> dict:
         """The swap section this candidate means (disk_tier aside: the directory is the
@@ -186,7 +193,7 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
     accumulator = a.largest_unit * 4 if m > 1 else 0
     card = _card_bytes(a, c, dtype, cuda, m)
     if c.checkpoint:
-        kept = 0 if c.offload_activations else (n_units - 2) * hidden * m
+        kept = (c.acts_on_card if c.offload_activations else n_units - 2) * hidden * m
         # recompute of a unit: all its blocks' saved tensors, and the inputs of all but the
         # first (that one is the checkpoint, already counted, unless it was offloaded)
         inner_inputs = lpu if c.offload_activations else lpu - 1
@@ -293,9 +300,16 @@ def staging_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
 
 def offloaded_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
     """Host bytes of the checkpointed unit inputs kept in host memory at once: every unit
-    but the first and the head, for each micro-batch in flight (all of them, unit-major)."""
+    but the first and the head (and those kept on the card, acts_on_card), for each
+    micro-batch in flight (all of them, unit-major)."""
     m = c.grad_accum if c.order == "unit" else 1
-    return (len(a.units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * m
+    return offloaded_units(a, c) * a.hidden_bytes(c.micro_batch, dtype) * m
+
+
+def offloaded_units(a: ModelAnalysis, c: Candidate) -> int:
+    """Unit inputs offloaded: every unit's but the first's and the head's, less those kept
+    on the card."""
+    return max(0, len(a.units) - 2 - c.acts_on_card) if c.offload_activations else 0
 
 
 def _pipeline(compute: list[float], transfer: list[float], prefetch: int) -> tuple[float, float]:
@@ -384,7 +398,7 @@ def predict(
         last, last_bus = bwd, bwd_bus
     offload = 0.0
     if c.offload_activations and cuda:
-        offload = 2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
+        offload = 2 * offloaded_units(a, c) * a.hidden_bytes(c.micro_batch, dtype) / hw.h2d_bps
         offload *= per_pass
     if hw.host_shares_compute:
         # CPU backend: copies run on the compute thread (inline), so they add
@@ -468,12 +482,15 @@ def predict(
             "host_update_s": optimizer + landing,
             # activation offload: each checkpointed unit input goes to the host and back
             "offload_bytes_per_step": (
-                2 * (len(units) - 2) * a.hidden_bytes(c.micro_batch, dtype) * c.grad_accum
-                if c.offload_activations and cuda
+                2 * offloaded_units(a, c) * a.hidden_bytes(c.micro_batch, dtype) * c.grad_accum
+                if cuda
                 else 0
             ),
             "disk_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
             "disk_io_s": disk_io,
+            # the NVMe tier: every unit's record read before its update, written after it
+            "disk_read_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
+            "disk_write_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
             # page-locked on CUDA: every unit's compute copy, the D2H staging pool, the
             # offloaded unit inputs' buffers, and the state of units updated on the card
             "pinned_bytes": (

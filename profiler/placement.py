@@ -28,6 +28,7 @@ from functools import partial
 import torch
 
 from atom.config import Config
+from atom.profiler import tiers
 from atom.profiler.analysis import ModelAnalysis, UnitInfo
 from atom.profiler.cost import (
     Candidate,
@@ -112,6 +113,8 @@ class Placer:
         return set(range(n - 1 - k, n - 1)) & set(self.order)
 
     def placements(self, shape: Candidate) -> list[tuple[Candidate, Prediction]]:
+        if shape.tiered:
+            return tiers.placements(self, shape)
         scored: dict[Candidate, Prediction] = {}
 
         def score(c: Candidate) -> Prediction:
@@ -300,7 +303,7 @@ def clipping_note(cfg: Config, c: Candidate, scored, dtype: torch.dtype, a) -> s
         s for s in scored
         if s.fits_device and s.fits_host and s.candidate.update == other
         and s.candidate.card_update != "none" and s.candidate.state == c.state
-        and s.candidate.disk_tier == c.disk_tier
+        and s.candidate.disk_tier == c.disk_tier and s.candidate.tiered == c.tiered
     ]  # fmt: skip
     best = min(rivals, key=lambda s: s.prediction.step_s, default=None)
     held = sum(4 * a.units[i].n_total for i in card_units(a, c))

@@ -7,8 +7,12 @@ and its update live (resident units, swap.card_update, swap.update: placement.py
 fit the device budget and host RAM. The host state is chosen in this order, the first
 that fits: fp32 in RAM (exactly plain PyTorch's training), compact in RAM (half the RAM,
 not bit-equal), fp32 on disk, compact on disk (the disk tier needs a disk speed: measured
-in swap.disk_dir, or stated); within it the fastest predicted plan wins. When nothing
-fits, `Infeasible` says which limit fails, by how much, and what would fit.
+in swap.disk_dir, or stated), and last the tiered plan (tiers.py: weights, state and unit
+inputs across RAM and the NVMe disk, every update on the card; not built in the engine yet,
+and the plan says what it needs); within it the fastest predicted plan wins, and of plans
+within a few % of it the one that writes the least to the disk. `max_writes` (bytes an
+hour, --max-disk-writes) rules out plans that write more. When nothing fits, `Infeasible`
+says which limit fails, by how much, and what would fit.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 
 from atom.config import Config, ConfigError, model_differences, replace
+from atom.profiler import tiers
 from atom.profiler.analysis import ModelAnalysis, dtype_bytes
 from atom.profiler.cost import Candidate, Prediction
 from atom.profiler.hardware import GiB, HardwareSpec
@@ -29,8 +34,11 @@ from atom.profiler.placement import Placer
 log = logging.getLogger(__name__)
 
 # 2: swap holds SwapConfig's keys only; the NVMe tier is disk_tier. 3: placement (resident
-# units in every order, swap.card_update, swap.update), with `placement` in words
-PLAN_VERSION = 3
+# units in every order, swap.card_update, swap.update), with `placement` in words. 4: the
+# tiered plan (`needs`: what the engine lacks to run it) and the disk's life (`disk`)
+PLAN_VERSION = 4
+# plans within this share of the fastest step count as a tie that the disk's writes break
+WRITE_TIE = 0.03
 
 
 class Infeasible(Exception):
@@ -53,6 +61,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)  # what the user should know about the choice
     # per group of units: where their weights and update live, and why (placement.describe)
     placement: list[dict] = field(default_factory=list)
+    tiered: bool = False  # weights, state and unit inputs across RAM and disk (tiers.py)
+    needs: list[str] = field(default_factory=list)  # what the engine lacks to run it
+    # bytes written to and read from the disk a step, an hour; the drive's endurance a day
+    disk: dict = field(default_factory=dict)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +98,11 @@ class Plan:
     def apply(self, cfg: Config) -> Config:
         """cfg with this plan's partition and batch; refuses a plan made for another model."""
         # keys added to the model section since the plan was made take their default
+        if self.needs:
+            raise ConfigError(
+                f"the plan needs what atom train does not run yet ({'; '.join(self.needs)}); "
+                "profile again (without --tiered, with more host RAM) for a plan it runs"
+            )
         said = model_differences(self.model, cfg, "in the plan")
         if said:
             raise ConfigError(
@@ -151,7 +168,9 @@ def host_options(cfg: Config, disk_known: bool) -> list[tuple[str, bool]]:
     return [(s, False) for s in states] + ([(s, True) for s in states] if disk_known else [])
 
 
-def describe_host(state: str, disk: bool) -> str:
+def describe_host(state: str, disk: bool, tiered: bool = False) -> str:
+    if tiered:
+        return f"{state} state, tiered across RAM and the NVMe disk"
     return f"{state} state" + (" on the NVMe tier" if disk else "")
 
 
@@ -165,6 +184,15 @@ def candidates(
 
 def replace_candidate(c: Candidate, **changes) -> Candidate:
     return Candidate(**{**asdict(c), **changes})
+
+
+def tiered_candidates(cfg: Config, target_batch: int, state: str):
+    """The tiered plan's shapes (tiers.py): unit-major, inputs offloaded, every update on the
+    card."""
+    for c in _shapes(cfg, target_batch, 3):
+        if c.order == "unit" and c.offload_activations:
+            yield replace_candidate(c, state=state, tiered=True, card_update="all",
+                                    update=cfg.swap.update)  # fmt: skip
 
 
 def _shapes(cfg: Config, target_batch: int, max_prefetch: int):
@@ -185,6 +213,16 @@ class Scored:
     prediction: Prediction
     fits_device: bool
     fits_host: bool
+    fits_disk: bool = True  # writes under --max-disk-writes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host and self.fits_disk
+
+    @property
+    def writes(self) -> float:
+        """Bytes written to the disk a step."""
+        return self.prediction.detail.get("disk_write_bytes", 0)
 
     def row(self) -> dict:
         c, p = self.candidate, self.prediction
@@ -195,26 +233,44 @@ class Scored:
             "peak_device_bytes": p.peak_device_bytes,
             "host_bytes": p.host_bytes,
             "bottleneck": p.bottleneck,
+            "disk_write_bytes": self.writes,
         }
 
 
 def search(
-    cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int, times_for
+    cfg: Config,
+    hw: HardwareSpec,
+    dtype: torch.dtype,
+    target_batch: int,
+    times_for,
+    max_writes: float | None = None,
+    only_tiered: bool = False,
 ) -> list[Scored]:
-    """Score the candidates, one host option after another (host_options) until one has
-    plans that fit; `times_for(micro_batch, analysis)` gives PieceTimes."""
+    """Score the candidates, one host option after another (host_options, then the tiered
+    plan) until one has plans that fit; `times_for(micro_batch, analysis)` gives PieceTimes;
+    `max_writes`: bytes an hour the disk may be written; `only_tiered`: the tiered plan
+    alone (what it would give where a plan the engine runs fits)."""
     analyses: dict[int, ModelAnalysis] = {}
     scored: list[Scored] = []
-    for state, disk in host_options(cfg, hw.disk_read_bps > 0 and hw.disk_write_bps > 0):
-        group = _score(cfg, hw, dtype, candidates(cfg, target_batch, state=state, disk=disk),
-                       times_for, analyses)  # fmt: skip
+    disk_known = hw.disk_read_bps > 0 and hw.disk_write_bps > 0
+    options = [(s, d, False) for s, d in host_options(cfg, disk_known)]
+    why_not = tiers.refused(analysis(cfg, 1, analyses), hw, cfg.train.optimizer)
+    if only_tiered and why_not:
+        raise Infeasible(f"no tiered plan: {why_not}")
+    if not why_not:
+        tiered = [(s, False, True) for s, d, _ in options if not d]
+        options = tiered if only_tiered else options + tiered
+    for state, disk, tiered in options:
+        shapes = (tiered_candidates(cfg, target_batch, state) if tiered
+                  else candidates(cfg, target_batch, state=state, disk=disk))  # fmt: skip
+        group = _score(cfg, hw, dtype, shapes, times_for, analyses, max_writes)
         scored += group
-        if any(s.fits_device and s.fits_host for s in group):
+        if any(s.fits for s in group):
             break
     return scored
 
 
-def _score(cfg, hw, dtype, shapes, times_for, analyses) -> list[Scored]:
+def _score(cfg, hw, dtype, shapes, times_for, analyses, max_writes=None) -> list[Scored]:
     scored = []
     for shape in shapes:
         a = analysis(cfg, shape.layers_per_unit, analyses)
@@ -223,7 +279,10 @@ def _score(cfg, hw, dtype, shapes, times_for, analyses) -> list[Scored]:
             continue
         for cand, pred in Placer(cfg, a, hw, times, dtype).placements(shape):
             fits_device = pred.peak_device_bytes <= hw.device_mem
-            scored.append(Scored(cand, pred, fits_device, pred.host_bytes <= hw.host_mem))
+            s = Scored(cand, pred, fits_device, pred.host_bytes <= hw.host_mem)
+            if max_writes is not None:
+                s.fits_disk = s.writes * 3600 / pred.step_s <= max_writes
+            scored.append(s)
     return scored
 
 
@@ -236,9 +295,16 @@ def analysis(cfg: Config, lpu: int, analyses: dict[int, ModelAnalysis] | None = 
     return analyses[lpu]
 
 
-def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype) -> list[Scored]:
-    """Feasible plans, fastest first (fewer device bytes break ties). Raises Infeasible."""
-    ok = [s for s in scored if s.fits_device and s.fits_host]
+def choose(
+    scored: list[Scored],
+    hw: HardwareSpec,
+    cfg: Config,
+    dtype: torch.dtype,
+    max_writes: float | None = None,
+) -> list[Scored]:
+    """Feasible plans, fastest first (fewer disk writes, then fewer bus and device bytes
+    break ties). Raises Infeasible."""
+    ok = [s for s in scored if s.fits]
     # the host option search() stopped at (fp32 in RAM trains exactly as plain PyTorch)
     if ok:
         first = min(host_rank(s.candidate, cfg) for s in ok)
@@ -253,20 +319,32 @@ def choose(scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dty
 
         def rank(s: Scored) -> tuple:
             p = s.prediction
+            # within WRITE_TIE of the fastest the disk's wear decides first (issue 43)
+            if p.step_s > fastest * (1 + WRITE_TIE):
+                return (True, 0, True, p.step_s, 0)
             if p.step_s > fastest * 1.01:
-                return (True, p.step_s, 0)
+                return (False, s.writes, True, p.step_s, 0)
             bus = sum(
                 p.detail.get(k, 0)
                 for k in ("h2d_bytes_per_step", "offload_bytes_per_step", "state_up_bytes")
             )
-            return (False, bus, p.peak_device_bytes)
+            return (False, s.writes, False, bus, p.peak_device_bytes)
 
         return sorted(ok, key=rank)
-    raise Infeasible(explain_infeasible(scored, hw, cfg, dtype))
+    raise Infeasible(explain_infeasible(scored, hw, cfg, dtype, max_writes))
 
 
 def host_rank(c: Candidate, cfg: Config) -> int:
-    return host_options(cfg, True).index((c.state, c.disk_tier))
+    options = host_options(cfg, True)
+    if c.tiered:  # after every option the engine runs
+        return len(options) + options.index((c.state, False))
+    return options.index((c.state, c.disk_tier))
+
+
+def built_host_bytes(scored: list[Scored]) -> int | None:
+    """The least host RAM a plan the engine runs needs, of those that fit the device."""
+    built = [s.prediction.host_bytes for s in scored if s.fits_device and not s.candidate.tiered]
+    return min(built, default=None)
 
 
 def _gib(n: float) -> str:
@@ -274,15 +352,30 @@ def _gib(n: float) -> str:
 
 
 def explain_infeasible(
-    scored: list[Scored], hw: HardwareSpec, cfg: Config, dtype: torch.dtype
+    scored: list[Scored],
+    hw: HardwareSpec,
+    cfg: Config,
+    dtype: torch.dtype,
+    max_writes: float | None = None,
 ) -> str:
+    fitting = [s for s in scored if s.fits_device and s.fits_host]
+    if fitting and max_writes is not None:
+        least = min(fitting, key=lambda s: s.writes * 3600 / s.prediction.step_s)
+        hour = least.writes * 3600 / least.prediction.step_s
+        return (
+            f"no plan writes under --max-disk-writes {tiers.say_bytes(max_writes)} an hour to "
+            f"the disk: the least any plan that fits writes is {tiers.say_bytes(hour)} an hour "
+            f"({tiers.say_bytes(least.writes)} a step); allow more, or add RAM"
+        )
     smallest = min(scored, key=lambda s: s.prediction.peak_device_bytes)
     leanest = min(scored, key=lambda s: s.prediction.host_bytes)
     host_need = leanest.prediction.host_bytes
     parts = []
     if host_need > hw.host_mem:
         c = leanest.candidate
-        as_leanest = f" even as {describe_host(c.state, c.disk_tier)}" if c.state != "fp32" else ""
+        as_leanest = (
+            f" even as {describe_host(c.state, c.disk_tier, c.tiered)}" if c.state != "fp32" else ""
+        )
         if not c.disk_tier and hw.disk_read_bps <= 0:
             as_leanest += " (an NVMe tier may fit: --set swap.disk_dir=DIR)"
         parts.append(
@@ -323,7 +416,7 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
     """Why the chosen plan's host state is compact, and what it costs against the fastest
     fp32 plan that fits the device (which host RAM rules out)."""
     best = ranked[0].candidate
-    if best.state == "fp32" and not best.disk_tier:
+    if best.state == "fp32" and not best.disk_tier and not best.tiered:
         return []
     fp32 = [s for s in scored if s.candidate.state == "fp32" and not s.candidate.disk_tier]
     fastest = min((s for s in fp32 if s.fits_device), key=lambda s: s.prediction.step_s,
@@ -339,9 +432,14 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
         if best.disk_tier
         else ""
     )
+    if best.tiered and p.detail["disk_bytes"]:
+        where = (
+            f" and {_gib(p.detail['disk_bytes'])} on the NVMe disk ({p.detail['disk_io_s']:.0f}"
+            f" s of disk time a step, {p.detail['disk_wait_s']:.0f} s of it not under the compute)"
+        )
     note = (
-        f"chose {describe_host(best.state, best.disk_tier)} ({what}): {_gib(p.host_bytes)} of host "
-        f"RAM{where}"
+        f"chose {describe_host(best.state, best.disk_tier, best.tiered)} ({what}): "
+        f"{_gib(p.host_bytes)} of host RAM{where}"
     )
     if fastest is not None:
         note = (
@@ -379,26 +477,39 @@ def format_table(rows: list[Scored], limit: int = 8, clipped: bool = True) -> st
         "checkpoint | offload | host state | step s | tokens/s | device peak | host RAM | "
         "bottleneck |"
     )
-    lines = [head, "|" + "---|" * 15]
+    writes = any(s.writes for s in rows[:limit])  # a column only where some plan writes
+    if writes:
+        head += " disk writes |"
+    lines = [head, "|" + "---|" * (15 + writes)]
     for i, s in enumerate(rows[:limit], 1):
         c, p = s.candidate, s.prediction
         card = c.card_update
         if card != "none" and clipped:
             card += f" ({c.update})"
+        offload = "yes" if c.offload_activations else "no"
+        if c.offload_activations and c.acts_on_card:
+            offload = f"all but {c.acts_on_card}"
+        where = " (tiered)" if c.tiered else " (disk)" if c.disk_tier else ""
         lines.append(
             f"| {i} | {c.layers_per_unit} | {c.prefetch} | {c.micro_batch} x {c.grad_accum} | "
             f"{c.order if c.grad_accum > 1 else '-'} | {c.resident_units} | {card} | "
-            f"{'yes' if c.checkpoint else 'no'} | {'yes' if c.offload_activations else 'no'} | "
-            f"{c.state}{' (disk)' if c.disk_tier else ''} | {p.step_s:.3f} | "
+            f"{'yes' if c.checkpoint else 'no'} | {offload} | "
+            f"{c.state}{where} | {p.step_s:.3f} | "
             f"{p.tokens_per_s:,.0f} | "
             f"{_gib(p.peak_device_bytes)} | "
             f"{_gib(p.host_bytes)} | {p.bottleneck} |"
+            + (f" {s.writes / 1e9:,.1f} GB |" if writes else "")
         )
     return "\n".join(lines)
 
 
 def make_plan(
-    cfg: Config, hw: HardwareSpec, dtype: torch.dtype, target_batch: int, ranked: list[Scored]
+    cfg: Config,
+    hw: HardwareSpec,
+    dtype: torch.dtype,
+    target_batch: int,
+    ranked: list[Scored],
+    tbw: float = tiers.DEFAULT_TBW,
 ) -> Plan:
     best = ranked[0]
     c = best.candidate
@@ -414,4 +525,7 @@ def make_plan(
         prediction=best.prediction,
         disk_tier=c.disk_tier,
         candidates=[s.row() for s in ranked[:20]],
+        tiered=c.tiered,
+        needs=tiers.needs(c, best.prediction),
+        disk=tiers.disk_life(best.prediction, tbw),
     )

@@ -13,13 +13,15 @@ from atom.config import Config, ConfigError, replace
 from atom.device import DTYPES
 from atom.model.compiled_blocks import wanted
 from atom.optim.compact import CHUNK
-from atom.profiler import hardware, timing
+from atom.profiler import hardware, tiers, timing
 from atom.profiler.analysis import ModelAnalysis
 from atom.profiler.placement import clipping_note, describe
 from atom.profiler.planner import (
+    Infeasible,
     Plan,
     Scored,
     analysis,
+    built_host_bytes,
     choose,
     make_plan,
     search,
@@ -76,7 +78,13 @@ def run_profile(
     stated: str | None = None,
     refresh: bool = False,
     progress: bool = True,
+    nvme_tbw: float = tiers.DEFAULT_TBW,
+    max_disk_writes: float | None = None,
+    only_tiered: bool = False,
 ) -> tuple[Plan, list[Scored], hardware.HardwareSpec]:
+    """`nvme_tbw`: the drive's rated endurance, TB written; `max_disk_writes`: bytes an hour
+    a plan may write to the disk (None: any); `only_tiered`: the tiered plan (tiers.py) even
+    where a plan the engine runs fits."""
     target = target_batch or cfg.train.micro_batch * cfg.train.grad_accum
     if target < 1:
         raise ConfigError("--batch must be >= 1")
@@ -163,12 +171,41 @@ def run_profile(
             t = cache.pieces(mb)  # None: not measurable here (out of memory)
             return t and timing.blocks_scaled(t, factor)
 
-    scored = search(cfg, hw, dtype, target, times_for)
-    ranked = choose(scored, hw, cfg, dtype)
-    plan = make_plan(cfg, hw, dtype, target, ranked)
+    scored = search(cfg, hw, dtype, target, times_for, max_disk_writes, only_tiered)
+    ranked = choose(scored, hw, cfg, dtype, max_disk_writes)
+    plan = make_plan(cfg, hw, dtype, target, ranked, nvme_tbw)
     best = ranked[0].candidate
     a = analysis(cfg, best.layers_per_unit)
-    plan.placement = describe(cfg, a, best, hw, times_for(best.micro_batch, a), dtype)
+    notes = []
+    if best.tiered:
+        notes += tiers.describe(best, ranked[0].prediction)
+    else:
+        plan.placement = describe(cfg, a, best, hw, times_for(best.micro_batch, a), dtype)
     clipping = clipping_note(cfg, best, scored, dtype, a)
-    plan.notes = state_notes(scored, ranked, hw) + ([clipping] if clipping else [])
+    notes += state_notes(scored, ranked, hw) + ([clipping] if clipping else [])
+    disk = tiers.disk_note(plan.disk)
+    notes += [disk] if disk else []
+    if disk and not best.tiered:  # what the tiered plan would cost the disk instead
+        notes += _tiered_rival(cfg, hw, dtype, target, times_for, ranked[0], max_disk_writes)
+    if plan.needs:  # last: the line a user must not miss
+        notes.append(tiers.needs_note(plan.needs, built_host_bytes(scored), not only_tiered))
+    plan.notes = notes
     return plan, ranked, hw
+
+
+def _tiered_rival(cfg, hw, dtype, target, times_for, best: Scored, max_writes) -> list[str]:
+    """A line on the tiered plan (not built yet) where it would write less than the chosen
+    plan, or run faster."""
+    try:
+        rival = choose(search(cfg, hw, dtype, target, times_for, max_writes, True), hw, cfg,
+                       dtype, max_writes)[0]  # fmt: skip
+    except Infeasible:
+        return []
+    p, q = best.prediction, rival.prediction
+    if rival.writes >= best.writes and q.step_s >= p.step_s:
+        return []
+    return [
+        f"a tiered plan (not built yet: `atom profile --tiered` shows it) would write "
+        f"{tiers.say_bytes(rival.writes)} a step at {q.tokens_per_s:,.0f} tokens/s, against "
+        f"{tiers.say_bytes(best.writes)} at {p.tokens_per_s:,.0f}"
+    ]

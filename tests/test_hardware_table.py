@@ -19,7 +19,8 @@ def test_every_card_of_the_table_is_a_preset_with_a_plan(capsys):
 
 
 def test_a_host_too_small_says_how_much_ram_the_model_needs(capsys):
-    args = ["--config", "llama-1b", "--batch", "2", "--hosts", "1", "--cards", "rtx3060"]
+    # a GPT (tied embeddings: no tiered plan, which fits any RAM with a disk beside it)
+    args = ["--config", "gpt3-350m", "--batch", "2", "--hosts", "1", "--cards", "rtx3060"]
     assert hardware_table.main(args) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| RTX")]
     assert re.search(r"does not fit: needs [\d.]+ GiB of RAM", row[0]), row
@@ -32,3 +33,17 @@ def test_the_presets_rates_are_measured_rates_scaled_once():
     for name in hardware_table.CARDS:
         hw = stated(name)
         assert hw.duplex_h2d_bps < hw.h2d_bps and hw.device == "cuda"
+
+
+def test_the_model_table_names_torchtune_beside_each_model(capsys):
+    """--models: a row per model on one card, with what torchtune runs on one card; a tiered
+    plan's cell says it is not built yet and what it writes to the disk."""
+    args = ["--models", "llama-1b", "codellama-34b", "--cards", "rtx4090", "--hosts", "16",
+            "--batch", "8"]  # fmt: skip
+    assert hardware_table.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| model | 16 GiB RAM | torchtune, one card |"
+    assert rows[1].startswith("| llama-1b | ") and rows[1].endswith("| - |")
+    big = rows[2]
+    assert "tiered: not built yet; writes" in big and "of 600 TBW a day" in big
+    assert big.endswith(f"| {hardware_table.TORCHTUNE['codellama-34b']} |")

@@ -205,7 +205,7 @@ def test_the_profile_prints_where_each_unit_lives(tmp_path, capsys):
                  "64GiB", "--out", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
-    assert saved["version"] == 3 and saved["placement"]
+    assert saved["version"] == 4 and saved["placement"]
     for group in saved["placement"]:
         assert f"atom: {group['says']}\n        because {group['why']}" in printed
     assert "clipping (train.grad_clip" in printed

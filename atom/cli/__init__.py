@@ -119,6 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="sequences per optimizer step (default: train.micro_batch x train.grad_accum)",
     )
+    pf.add_argument(
+        "--nvme-tbw",
+        type=float,
+        metavar="TB",
+        help="the NVMe drive's rated endurance, TB written, to say what share of it a day of "
+        "training uses (default 600: a common 1 TB consumer drive)",
+    )
+    pf.add_argument(
+        "--max-disk-writes",
+        metavar="SIZE",
+        help="bytes a plan may write to the disk an hour, e.g. 200GB (default: any)",
+    )
+    pf.add_argument(
+        "--tiered",
+        action="store_true",
+        help="plan the tiered shape (weights, state and activations across RAM and NVMe, "
+        "every update on the card; not built yet) even where a plan atom trains fits",
+    )
     pf.add_argument("--top", type=int, default=8, help="candidates to show (default 8)")
     pf.add_argument("--refresh", action="store_true", help="re-measure instead of the cache")
     pf.add_argument(
@@ -216,12 +234,17 @@ def cmd_profile(args) -> int:
     from atom.profiler.hardware import parse_bytes
     from atom.profiler.planner import Infeasible, check_replace, describe_host, format_table
     from atom.profiler.profile import run_profile
+    from atom.profiler.tiers import DEFAULT_TBW
 
     cfg = load_run_config(args.config, args.overrides)
     if not args.force:
         check_replace(Path(args.out), cfg)  # before the measurements: refused in a second
     gpu_mem = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     host_mem = parse_bytes(args.host_mem) if args.host_mem else None
+    writes = args.max_disk_writes and parse_bytes(args.max_disk_writes, "--max-disk-writes")
+    tbw = DEFAULT_TBW if args.nvme_tbw is None else args.nvme_tbw
+    if tbw <= 0:
+        raise ConfigError("--nvme-tbw must be > 0 (the drive's rated TB written)")
     try:
         plan, ranked, hw = run_profile(
             cfg,
@@ -231,6 +254,9 @@ def cmd_profile(args) -> int:
             args.hardware,
             args.refresh,
             progress=sys.stderr.isatty(),
+            nvme_tbw=tbw,
+            max_disk_writes=writes,
+            only_tiered=args.tiered,
         )
     except Infeasible as err:
         print(f"atom: error: {err}", file=sys.stderr)
@@ -249,7 +275,7 @@ def cmd_profile(args) -> int:
         f"{plan.swap['order']}-major, {plan.swap['resident_units']} resident unit(s), "
         f"card update {plan.swap['card_update']}, "
         f"checkpoint {plan.swap['checkpoint']}, offload {plan.swap['offload_activations']}, "
-        f"{describe_host(plan.swap['state'], plan.disk_tier)}: "
+        f"{describe_host(plan.swap['state'], plan.disk_tier, plan.tiered)}: "
         f"{best.step_s:.3f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
         f"{best.peak_device_bytes / 2**30:.2f} GiB device peak ({best.bottleneck}-bound)"
     )
