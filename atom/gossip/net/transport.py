@@ -9,7 +9,9 @@ inproc socket for the I/O thread to send. So a slow exchange never delays a hear
 and a full pool answers `busy` instead of queueing without bound. Before a message is
 handed on: the thread's message budget, the sender's rate (limits.py), its identity,
 destination and rid (replay.py); around it all, the memory and open-file guard
-(memguard.py) that recycles the listener.
+(memguard.py) that recycles the listener, and the caps on connections that never finish
+their handshake (gate.py: the ROUTER's handshake timeout, and a monitor of its
+connections, read by the I/O thread before its messages).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,14 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from atom.errors import ConfigError
 from atom.gossip.net.counters import Counters, LogLimiter
+from atom.gossip.net.gate import GATE_MS, HANDSHAKE_S, ConnectionGate
 from atom.gossip.net.handshake import FAILED as HANDSHAKE_FAILED
 from atom.gossip.net.handshake import hung_up, member_note
 from atom.gossip.net.keys import GroupKeys, secure_server
 from atom.gossip.net.limits import RateLimiter, RequestLimits
+from atom.gossip.net.listener import open_listener
 from atom.gossip.net.memguard import InboundMemoryGuard, files_settle
 from atom.gossip.net.replay import ReplayWindow
 from atom.gossip.net.shaping import LinkShaper
@@ -128,8 +132,10 @@ class Server:
         self.make_header = make_header  # a reply header to `incoming` of a given kind
         self.on_reject, self.shaper, self.counters, self.log = on_reject, shaper, counters, plog
         self.limiter = LogLimiter(plog)
+        self.gate = ConnectionGate(counters, self.limiter.warning)  # unfinished handshakes
         self.stop = threading.Event()
         self.endpoint = ""
+        self._listening: int | None = None  # the listening descriptor, when made here
         self._told: dict[str, float] = {}  # address -> when it was last told it mismatches
         self._inproc = f"inproc://atom-gossip-replies-{next(_server_ids)}-{id(self)}"
         self._jobs: queue.Queue = queue.Queue(maxsize=workers * 2)
@@ -142,19 +148,26 @@ class Server:
         no file descriptor free yet while the old connections close)."""
         deadline = time.monotonic() + patience_s
         while True:
-            router = None
+            router = listening = None
             try:
                 router = self.ctx.socket(zmq.ROUTER)
                 router.linger = 0
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise
                 router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_bytes)  # memory guard per frame
+                router.setsockopt(zmq.HANDSHAKE_IVL, int(1000 * HANDSHAKE_S))  # gate.py
                 router.rcvhwm = router.sndhwm = 64
                 secure_server(router, self.keys)
-                router.bind(endpoint)
+                listening = open_listener(endpoint)  # one the gate can filter: listener.py
+                if listening is not None:
+                    router.setsockopt(zmq.USE_FD, listening[0])
+                router.bind(endpoint if listening is None else listening[1])
+                self._listening = None if listening is None else listening[0]
                 return router
-            except zmq.ZMQError as err:
+            except (zmq.ZMQError, OSError) as err:
                 if router is not None:
                     router.close(linger=0)
+                if listening is not None:  # (libzmq takes it only once bound)
+                    os.close(listening[0])
                 if time.monotonic() < deadline and not self.stop.is_set():
                     time.sleep(0.05)
                     continue
@@ -231,7 +244,18 @@ class Server:
                         paused_until = 0.0
                     else:
                         wait_ms = min(poll_ms, 1000 * left)
+                if monitor is not None:  # read every GATE_MS, not at each event (a flood
+                    wait_ms = min(wait_ms, GATE_MS)  # churns thousands a second)
                 events = dict(poller.poll(wait_ms))
+                if monitor is not None:  # before the messages: a connection's first
+                    # message then finds it in the gate's table
+                    for event in self.gate.drain(monitor):
+                        if hung_up(event):
+                            continue
+                        self.counters.inc("auth.handshake_failed")
+                        note = member_note(event)
+                        if note:
+                            self.limiter.warning(f"handshake:{event['value']}", note)
                 if pull in events:
                     for _ in range(64):
                         try:
@@ -264,15 +288,6 @@ class Server:
                         except Exception:  # one message must never take the server down
                             self.counters.inc("server.errors")
                             self.log.exception("handling a message failed")
-                if monitor is not None and monitor in events:
-                    while monitor.poll(0):
-                        event = recv_monitor_message(monitor)
-                        if hung_up(event):
-                            continue
-                        self.counters.inc("auth.handshake_failed")
-                        note = member_note(event)
-                        if note:
-                            self.limiter.warning(f"handshake:{event['value']}", note)
         except ConfigError as err:  # could not listen again after a recycle
             self.log.error("%s; this peer no longer serves gossip (training goes on)", err)
         except Exception:
@@ -285,23 +300,24 @@ class Server:
             pull.close(linger=0)
 
     def _watch(self, router: zmq.Socket, poller: zmq.Poller) -> zmq.Socket | None:
+        """Poll the router; a monitor of its connections (the gate's, with the failed
+        handshakes of a keyed group for their log lines), read every GATE_MS."""
         poller.register(router, zmq.POLLIN)
         monitor = None
-        if self.keys:
-            try:  # only for the log line on failed handshakes: not worth dying for
-                monitor = router.get_monitor_socket(HANDSHAKE_FAILED)
-            except zmq.ZMQError as err:  # EMFILE, during the very recycle that frees files
-                self.log.debug("no handshake monitor: %s", err)
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
+        try:  # without it the handshake timeout and the open-file guard still hold
+            monitor = self.gate.watch(router, HANDSHAKE_FAILED if self.keys else 0,
+                                      self._listening)  # fmt: skip
+        except zmq.ZMQError as err:  # EMFILE, during the very recycle that frees files
+            self.log.warning(
+                "no connection monitor (%s): connections that do not finish their "
+                "handshake are not capped until the next recycle", err,
+            )  # fmt: skip
         return monitor
 
     def _unwatch(self, router: zmq.Socket, monitor: zmq.Socket | None, poller: zmq.Poller):
         poller.unregister(router)
         if monitor is not None:
-            poller.unregister(monitor)
-            router.disable_monitor()
-            monitor.close(linger=0)
+            self.gate.unwatch(router, monitor)
         router.close(linger=0)
 
     def _recycle(self, grown: int, files: int) -> zmq.Socket:
@@ -341,6 +357,8 @@ class Server:
 
     def _handle(self, router: zmq.Socket, msg: list) -> None:
         ident, parts = msg[0], msg[1:]
+        if self.gate.pending and parts:  # any message: its connection finished its handshake
+            self.gate.spoke(parts[0])
         nbytes, address = received(parts, self.counters)
         try:
             header = read_header(parts, nbytes, self.max_bytes, self.expect)
