@@ -298,7 +298,10 @@ def cmd_profile(args) -> int:
     for note in plan.notes:
         print(f"atom: {note}")
     plan.save(Path(args.out))
-    print(f"atom: wrote {args.out}; train with: atom train --plan {args.out} ...")
+    if plan.needs:  # a tiered plan: priced, not run (said above)
+        print(f"atom: wrote {args.out} (a plan atom train does not run yet)")
+    else:
+        print(f"atom: wrote {args.out}; train with: atom train --plan {args.out} ...")
     return 0
 
 
