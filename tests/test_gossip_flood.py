@@ -17,7 +17,7 @@ import pytest
 from atom.gossip.net.counters import Counters
 from atom.gossip.net.gate import HANDSHAKE_S, PER_ADDRESS, TOTAL, ConnectionGate, address_key
 from atom.gossip.net.keys import keygen
-from atom.gossip.net.listener import BACKLOG
+from atom.gossip.net.listener import BACKLOG, attach, open_listener, refusing
 from atom.gossip.net.memguard import open_files
 from tests.adversary import Adversary
 from tests.test_gossip_peers import group, wait_until  # noqa: F401 (fixture)
@@ -148,3 +148,41 @@ def test_honest_connections_on_one_address_are_not_cut_off():
 )  # fmt: skip
 def test_an_ipv6_host_counts_as_its_64(host, key):
     assert address_key(host) == key
+
+
+def _connects(source: str, dest: tuple) -> bool:
+    family = socket.AF_INET6 if ":" in source else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sk:
+        sk.settimeout(0.3)  # a SYN the filter drops is sent again only after 1 s
+        sk.bind((source, 0))
+        try:
+            sk.connect(dest)
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.parametrize(
+    ("host", "banned", "refused", "let_in"),
+    [("127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.3"), ("::1", "::/64", "::1", None)],
+)
+def test_the_listener_refuses_a_banned_address_in_the_kernel(host, banned, refused, let_in):
+    """The socket filter drops the first packets of connections from a banned address
+    (an IPv6 one by its /64), and lets others in; lifted, it lets everyone in."""
+    try:
+        made = open_listener(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")
+    except OSError:
+        pytest.skip(f"cannot listen on {host} here")
+    assert made is not None
+    fd, endpoint = made
+    dest = (host, int(endpoint.rsplit(":", 1)[1]))
+    with socket.socket(fileno=fd):
+        if not attach(fd, refusing([banned])):
+            pytest.skip("no socket filters on this system")
+        assert not _connects(refused, dest)
+        if let_in is not None:
+            assert _connects(let_in, dest)
+        assert attach(fd, refusing([]))
+        assert _connects(refused, dest)
+        assert attach(fd, refusing([], closed=True))
+        assert not _connects(refused, dest)

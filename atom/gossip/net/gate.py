@@ -12,25 +12,24 @@ by default: 3,000 connections that never sent a byte held a member at 3,037 open
   ROUTER: accepted (EVENT_ACCEPTED gives the descriptor, getpeername the address), no
   message read from them (a message carries its connection's descriptor, zmq.SRCFD),
   younger than HANDSHAKE_S (one still open after that has finished: libzmq would have
-  dropped it). Ends are not followed (EVENT_DISCONNECTED would double the events a
-  flood costs): a connection is checked when it is to be ended, and one that is gone
-  leaves the table then, or when its descriptor is accepted again. At most PER_ADDRESS of them per
-  remote address (an IPv6 address's /64: one host holds all of it) and TOTAL in all;
-  beyond, the oldest unfinished connection of that address is ended (past TOTAL: of the
-  address that holds the most). Honest peers are unfinished for a few round trips and
-  then speak at once, so many peers on one address (a test group on 127.0.0.1, a NAT)
-  are counted only while they handshake.
-- past a cap, the listener also refuses new connections in the kernel (listener.py: a
-  socket filter drops their first packets) for BAN_S (the address's unfinished
-  connections have finished or timed out by then): from that address past PER_ADDRESS;
-  past TOTAL, from every address that holds an unfinished connection and finished none
-  in the last KNOWN_S (from anyone for CLOSED_S when they are more than the filter
-  lists, MAX_BANNED).
-  Ending connections alone made a flood churn: a flooder opens one anew for each one
-  ended, at once, and on loopback that was ~10,000 a second, most of a core for libzmq
-  and this thread; refused, its connections wait out their SYN retries (1 s, 3 s...).
-  The connections already open carry on; new ones from an honest peer behind the same
-  address wait out the ban too.
+  dropped it). Ends are not followed (EVENT_DISCONNECTED would double what a flood
+  costs in events): a connection is checked when it is to be ended, and one gone by
+  then only leaves the table (as it does when its descriptor is accepted again).
+- at most PER_ADDRESS of them per remote address (an IPv6 address's /64: one host holds
+  all of it) and TOTAL in all; beyond, the oldest of that address is ended (past TOTAL:
+  of the address that holds the most). Honest peers are unfinished for a few round
+  trips and then speak at once, so many peers on one address (a test group on
+  127.0.0.1, a NAT) count only while they handshake.
+- past a cap, the listener also refuses new connections in the kernel for BAN_S (by
+  then the address's unfinished connections have finished or timed out): a socket
+  filter (listener.py) drops their first packets. From that address past PER_ADDRESS;
+  past TOTAL, from each address that holds an unfinished connection and finished none
+  in the last KNOWN_S; from anyone for CLOSED_S when they are more than the filter
+  lists (MAX_BANNED). Ending connections alone made a flood churn: a flooder opens a
+  new one for each one ended, at once (8,000-14,000 a second on loopback: 0.4-1.1 of a
+  core for libzmq and the I/O thread); refused, its connections wait out their SYN
+  retries (1 s, 3 s, ...). Connections already open carry on; new ones from an honest
+  peer behind the same address wait out the ban too.
 
 Ending a connection that libzmq owns: the gate shuts the socket down through a duplicate
 of its descriptor (shutdown acts on the connection; closing the duplicate leaves libzmq's
