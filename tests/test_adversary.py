@@ -227,6 +227,7 @@ def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):
     import subprocess
 
     from atom.checkpoint import list_checkpoints, step_of
+    from atom.gossip.net.gate import PER_ADDRESS
     from tests import gossip_util as gu
 
     shards, _ = gu.make_shards(tmp_path, n_lines=400)
@@ -249,7 +250,10 @@ def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert flood.opened > 256, flood.opened  # more than the peer has files for
+    # the flood came (more than the gate lets one address hold unfinished: past that it
+    # refuses the address in the kernel for a while, so the flooder opens fewer than the
+    # 256 files the peer has; the gate keeps it under the limit, tests/test_gossip_flood.py)
+    assert flood.opened > PER_ADDRESS, flood.opened
     text = log.read_text()
     # (torch itself may log a warning with a traceback when an import hits EMFILE)
     assert not any(line.startswith("Traceback") for line in text.splitlines()), text[-2000:]
