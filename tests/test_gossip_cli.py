@@ -6,6 +6,7 @@ pytest tests/test_gossip_cli.py
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -38,7 +39,7 @@ def test_keygen_writes_a_bundle_per_peer(tmp_path, capsys):
         (["--listen", "tcp://0.0.0.0:5555"], "needs a group key"),
         # no --listen: a client; nobody at the member's address: one line in join_timeout
         (["--join", "tcp://127.0.0.1:1", "--set", "gossip.join_timeout_s=1"],
-         "no group member answered"),
+         "nothing listens at tcp://127.0.0.1:1"),
         (["--listen", "udp://x:1"], "tcp://HOST:PORT"),
         (["--listen", "tcp://127.0.0.1:0", "--group-key", "/no/such/dir"], "not a directory"),
         (["--listen", "tcp://127.0.0.1:0", "--resident"], "drop --resident"),
@@ -52,6 +53,43 @@ def test_bad_peer_flags_are_one_line(capsys, tmp_path, text_dataset, argv, needl
     )  # fmt: skip
     assert code == 2, err
     assert err.startswith("atom: error:") and err.count("\n") == 1 and needle in err
+
+
+def test_a_wrong_port_is_told_as_such_not_as_a_nat(capsys, tmp_path, text_dataset, caplog):
+    """Issue 42: a --join to a port nothing listens on (connections refused, not dropped)
+    used to end with advice on routers and NAT, after a goodbye to a group it never
+    joined. It says, while waiting, that nothing listens there yet (the member may still
+    be starting), and at the end that nothing listens there."""
+    caplog.set_level(logging.INFO, logger="atom.gossip")
+    code, _, err = run(
+        capsys, "train", "--set", f"train.data={text_dataset}", "--set", "model.n_layer=1",
+        "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress",
+        "--join", "tcp://127.0.0.1:1", "--set", "gossip.join_timeout_s=4",
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "nothing listens at tcp://127.0.0.1:1" in err and "NAT" not in err
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("nothing listens at tcp://127.0.0.1:1 yet" in line for line in lines), lines
+    assert not any("left the group" in line for line in lines), lines
+
+
+def test_no_answer_from_a_live_port_still_names_the_firewall_and_nat():
+    """A seed that accepts connections but never answers as a member (silence: a firewall,
+    another program) keeps the NAT advice; refused everywhere is a wrong port."""
+    import socket
+
+    from atom.gossip.net.handshake import no_member_line, refused_everywhere
+
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        alive = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        dead = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+        assert refused_everywhere([dead]) and not refused_everywhere([dead, alive])
+        assert not refused_everywhere([])
+    assert "NAT" in no_member_line([alive], 30, refused=False)
+    assert "nothing listens" in no_member_line([dead], 30, refused=True)
 
 
 def test_peers_prints_the_group(tmp_path, capsys):
@@ -114,7 +152,7 @@ def test_a_peers_run_continues_alone_with_one_flag(tmp_path, text_dataset, capsy
     code, out, err = run(capsys, "train", "--resume", bob, "--max-steps", "4", "--set",
                          "gossip.join_timeout_s=1", *sets)  # fmt: skip
     assert code == 2 and err.count("\n") == 1, err
-    assert "no group member answered" in err and "--alone" in err
+    assert "nothing listens at" in err and "--alone" in err  # alice is gone
     assert "--alone continues it without peers" in out  # said before the wait
     code, out, err = run(capsys, "train", "--resume", bob, "--max-steps", "4", "--alone", *sets)
     assert code == 0, err

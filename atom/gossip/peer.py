@@ -36,7 +36,7 @@ from atom.gossip.merge import UnitParams, make_merge
 from atom.gossip.net.client import Client
 from atom.gossip.net.codecs import get_codec
 from atom.gossip.net.counters import Counters, LogLimiter
-from atom.gossip.net.handshake import SeedWatch
+from atom.gossip.net.handshake import SeedWatch, no_member_line, refused_everywhere
 from atom.gossip.net.keys import GroupKeys, check_seed_names, load_bundle, start_authenticator
 from atom.gossip.net.replay import RequestIds
 from atom.gossip.net.shaping import LinkShaper
@@ -377,6 +377,7 @@ class GossipPeer:
         key) ends the wait at once with the reason, not at the join timeout."""
         deadline = time.monotonic() + self.cfg.join_timeout_s
         watch = self._seeds = SeedWatch(self.ctx, self.keys, self.cfg.seeds, self.cfg.seed_names)
+        told = False  # the seeds refuse connections: said once
         try:
             while not self._ready_sources():
                 if self.join_refusal is not None:
@@ -384,15 +385,17 @@ class GossipPeer:
                 refused = watch.refusal()
                 if refused:
                     raise GossipError(f"{refused}; this peer cannot join")
-                if time.monotonic() > deadline:
-                    raise GossipError(
-                        f"no group member answered at {', '.join(self.cfg.seeds)} within "
-                        f"{self.cfg.join_timeout_s:.0f}s; check the address, the firewall and "
-                        "--group-key; a peer behind a home router (NAT) cannot be joined: join "
-                        "a member others can reach, forward its port or use a private network "
-                        "(README: Over the internet); or train without peers: the first peer "
-                        "without --join, a peer's run resumed alone with --alone"
-                    )
+                if time.monotonic() > deadline:  # refused: a wrong port, not a NAT
+                    refused = refused_everywhere(self.cfg.seeds)
+                    raise GossipError(no_member_line(self.cfg.seeds, self.cfg.join_timeout_s,
+                                                     refused))  # fmt: skip
+                if time.monotonic() > deadline - self.cfg.join_timeout_s + 3 and not told:
+                    told = refused_everywhere(self.cfg.seeds)  # said once, while waiting
+                    if told:
+                        self.log.warning("nothing listens at %s yet (connection refused): "
+                                         "waiting up to %.0fs for the member to start",
+                                         ", ".join(self.cfg.seeds),
+                                         self.cfg.join_timeout_s)  # fmt: skip
                 self.stop.wait(0.1)
         finally:
             watch.close()
@@ -494,7 +497,8 @@ class GossipPeer:
             self.auth.stop()
         self.write_status(state="stopped")
         self.ctx.destroy(linger=0)
-        self.log.info("left the group (%d peers acknowledged goodbye)", len(said))
+        if goodbye:  # a failed join (or a crash) left no group: nothing to say
+            self.log.info("left the group (%d peers acknowledged goodbye)", len(said))
 
     # ------------------------------------------------------------ reporting
     def status(self, state: str = "running") -> dict[str, Any]:

@@ -9,6 +9,7 @@ join timeout and was told to check the firewall. The joiner watches its seeds' h
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import zmq
@@ -204,3 +205,38 @@ class SeedWatch:
         with self._lock:
             for endpoint in self.endpoints:
                 self._end(endpoint)
+
+
+def refused_everywhere(endpoints: list[str], timeout_s: float = 0.5) -> bool:
+    """True when every seed refuses a plain TCP connection: nothing listens on that port
+    (a wrong port, or the first peer not started yet), which is not a firewall or a NAT
+    (those stay silent). Each probe connects and closes at once, sending nothing."""
+    for endpoint in endpoints:
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return False
+        except ConnectionRefusedError:
+            continue
+        except (OSError, ValueError):  # silence, a name that does not resolve, ipc://
+            return False
+    return bool(endpoints)
+
+
+def no_member_line(seeds: list[str], waited_s: float, refused: bool) -> str:
+    """Why joining gave up: nothing listening at the seeds, or no answer at all."""
+    where = ", ".join(seeds)
+    alone = ("or train without peers: the first peer without --join, a peer's run resumed "
+             "alone with --alone")  # fmt: skip
+    if refused:
+        return (
+            f"nothing listens at {where} (every connection was refused for "
+            f"{waited_s:.0f}s): check the port and that the member runs (its log says "
+            f"`listening on tcp://...`); {alone}"
+        )
+    return (
+        f"no group member answered at {where} within {waited_s:.0f}s; check the address, "
+        "the firewall and --group-key; a peer behind a home router (NAT) cannot be joined: "
+        "join a member others can reach, forward its port or use a private network (README: "
+        f"Over the internet); {alone}"
+    )
