@@ -333,3 +333,33 @@ def test_keygen_bundles_name_the_keys_members_serve_with(tmp_path):
     assert alice.key_of("bob") == bob.public and bob.key_of("alice") == alice.public
     assert alice.key_of("zed") is None
     assert Path(bundles[0] / "allowed" / "bob.key").exists()
+
+
+def test_leaving_says_goodbye_to_few_peers_it_never_reached(group):  # noqa: F811
+    """Every name an attacker pings us in is alive here; a goodbye to each of them was a
+    dial on its word (187 at one peer's end in tools/bench_attacks.py dialer). Those our
+    pings never reached get GOODBYE_UNREACHED at most; partners we reached get theirs."""
+    from atom.gossip.heartbeat import GOODBYE_UNREACHED
+
+    listeners = CountingListeners(50)
+    a = group("a", seed=1)
+    b = group("b", seed=2, join=a.endpoint)
+    wait_until(lambda: getattr(a.table.get("b"), "reached", None) is not None, 10, "b reached")
+    adv = Adversary(a.endpoint, a.group, a.params.fingerprint)
+    try:
+        for j, ep in enumerate(listeners.endpoints):
+            adv.send_raw(adv.frames(adv.header("ping", ep=ep, peers=[], links=[],
+                                               **{"from": f"s{j}"})))  # fmt: skip
+        wait_until(lambda: sum(p.id.startswith("s") for p in a.table.alive()) >= 40, 5,
+                   "the invented names heard")  # fmt: skip
+        a.stop.set()  # its heartbeat (budgeted dials) stopped first: what follows is goodbye
+        a.membership.join()
+        time.sleep(0.3)
+        before = listeners.accepts
+        a.close()
+        time.sleep(0.5)
+        assert listeners.accepts - before <= GOODBYE_UNREACHED, listeners.accepts - before
+        wait_until(lambda: b.table.get("a").status == "left", 5, "b told goodbye")
+    finally:
+        adv.close()
+        listeners.close()

@@ -4,6 +4,7 @@
         [--honest-set gossip.clip_factor=0]  (the honest peers' own settings)
     python -m tools.bench_attacks resources [--attacks ids,pulls,endless] [--repeats 2]
     python -m tools.bench_attacks takeover [--ids 5] [--steps 150] [--repeats 2]
+    python -m tools.bench_attacks dialer [--ids 5] [--steps 600] [--repeats 2]
 
 poison     3 honest peers on disjoint shards, trained together through gossip, with and
            without a 4th member that sends poison (POISONS) and claims an averaging
@@ -21,6 +22,11 @@ takeover   3 honest peers, as in poison, with and without an attacker (no peer o
            (a member was zeroed in 2 s that way before the serve budget,
            atom/gossip/budget.py): each honest peer's val loss, the exchanges the victim
            served the attacker, and what its budget refused.
+dialer     the same group, the attacker pinging the first peer every 0.1 s with a peer
+           list naming 200 endpoints (listeners counting every connection made to them)
+           under ever new names, and --ids pings in invented names 'at' them: the
+           connections it caused, per minute (a ping like it once made a member open
+           ~1,000 a second).
 
 Runs on loopback, each peer a child process (tests/gossip_util.py).
 """
@@ -218,7 +224,48 @@ def _unit_sizes(run: Path) -> dict[int, int]:
         engine.close()
 
 
-def cmd_takeover(args: argparse.Namespace) -> None:
+def _dialer(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
+    """Wait for h0, then ping it, over and over, with peer lists naming 200 endpoints that
+    count every connection made to them (listeners on loopback), under ever new names, and
+    pings in invented names 'at' them: every connection they count was dialled on the
+    attacker's word."""
+    from tests import gossip_util as gu
+    from tests.adversary import Adversary
+    from tests.test_gossip_identity import CountingListeners
+
+    run = root / "h0"
+    gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
+                120, "the victim")  # fmt: skip
+    victim = gu.status(run)
+    listeners = CountingListeners(200)
+    eps = listeners.endpoints
+    adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
+    t0, k = time.monotonic(), 0
+    try:
+        while not stop.is_set():
+            k += 1
+            listed = [{"id": f"n{k}x{j}", "ep": eps[(k + j) % len(eps)], "inc": 1, "step": 0,
+                       "ready": True} for j in range(200)]  # fmt: skip
+            h = adv.header("ping", to=victim["id"], ep=eps[k % len(eps)], peers=listed, links=[])
+            adv.send_raw(adv.frames(h))
+            for j in range(n_ids):
+                fake = adv.header("ping", to=victim["id"], ep=eps[(7 * k + j) % len(eps)],
+                                  peers=[], links=[], **{"from": f"s{k}x{j}"})  # fmt: skip
+                adv.send_raw(adv.frames(fake))
+            stop.wait(0.1)
+    finally:
+        adv.close()
+        minutes = (time.monotonic() - t0) / 60
+        out.update(attempts=listeners.accepts, per_minute=listeners.accepts / minutes,
+                   messages=k * (1 + n_ids))  # fmt: skip
+        listeners.close()
+
+
+ATTACKERS = {"takeover": _takeover, "dialer": _dialer}
+
+
+def cmd_group(args: argparse.Namespace) -> None:
+    """takeover, dialer: the honest group with and without the attacker, interleaved."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -226,7 +273,8 @@ def cmd_takeover(args: argparse.Namespace) -> None:
                 root = Path(tmp) / f"r{r}{'t' if attacked else 'c'}"
                 root.mkdir()
                 stop, out = threading.Event(), {}
-                thread = threading.Thread(target=_takeover, args=(root, args.ids, stop, out),
+                attack = ATTACKERS[args.command]
+                thread = threading.Thread(target=attack, args=(root, args.ids, stop, out),
                                           daemon=True)  # fmt: skip
                 if attacked:
                     thread.start()
@@ -239,14 +287,18 @@ def cmd_takeover(args: argparse.Namespace) -> None:
                 print(json.dumps(result, default=str), flush=True)
     clean = [r for r in rows if not r["attacked"]]
     base = statistics.mean(r["mean_val_loss"] for r in clean)
-    print("\n| attacker | honest val loss (mean; each) | vs none | victim's | served / sent |")
+    print("\n| attacker | honest val loss (mean; each) | vs none | victim's | attack |")
     print("|---|---|---|---|---|")
     for r in rows:
         each = ", ".join(f"{x:.3f}" for x in r["val_loss"])
         att = r["attack"]
-        print(f"| {'takeover' if r['attacked'] else 'none'} | {r['mean_val_loss']:.3f} "
+        what = (f"{att.get('served', '-')} served / {att.get('sent', '-')} sent"
+                if args.command == "takeover" else
+                f"{att.get('attempts', '-')} dials ({att.get('per_minute', 0):.1f} a minute) "
+                f"on {att.get('messages', '-')} messages")  # fmt: skip
+        print(f"| {args.command if r['attacked'] else 'none'} | {r['mean_val_loss']:.3f} "
               f"({each}) | {r['mean_val_loss'] / base:.3f}x | {r['val_loss'][0] / base:.3f}x "
-              f"| {att.get('served', '-')} / {att.get('sent', '-')} |")  # fmt: skip
+              f"| {what if r['attacked'] else '-'} |")  # fmt: skip
 
 
 def cmd_resources(args: argparse.Namespace) -> None:
@@ -291,11 +343,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--repeats", type=int, default=2)
     p.set_defaults(func=cmd_resources)
-    p = sub.add_parser("takeover", help="honest val loss with and without sybil requests")
-    p.add_argument("--ids", type=int, default=5)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--repeats", type=int, default=2)
-    p.set_defaults(func=cmd_takeover)
+    for name, what, steps in (
+        ("takeover", "sybil exchange requests", 150),
+        ("dialer", "peer lists of dead endpoints", 600),
+    ):
+        p = sub.add_parser(name, help=f"honest val loss with and without {what}")
+        p.add_argument("--ids", type=int, default=5)
+        p.add_argument("--steps", type=int, default=steps)
+        p.add_argument("--repeats", type=int, default=2)
+        p.set_defaults(func=cmd_group)
     args = parser.parse_args()
     args.func(args)
 
