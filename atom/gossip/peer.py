@@ -392,7 +392,7 @@ class GossipPeer:
                 if time.monotonic() > deadline - self.cfg.join_timeout_s + 3 and not told:
                     told = refused_everywhere(self.cfg.seeds)  # said once, while waiting
                     if told:
-                        self.log.warning("nothing listens at %s yet (connection refused): "
+                        self.log.warning("nothing accepts connections at %s yet (refused): "
                                          "waiting up to %.0fs for the member to start",
                                          ", ".join(self.cfg.seeds),
                                          self.cfg.join_timeout_s)  # fmt: skip

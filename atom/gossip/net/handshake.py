@@ -15,6 +15,7 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from atom.config.gossip import is_loopback
 from atom.gossip.net.keys import GroupKeys, secure_client
 
 FAILED = (
@@ -224,19 +225,27 @@ def refused_everywhere(endpoints: list[str], timeout_s: float = 0.5) -> bool:
 
 
 def no_member_line(seeds: list[str], waited_s: float, refused: bool) -> str:
-    """Why joining gave up: nothing listening at the seeds, or no answer at all."""
+    """Why joining gave up: nothing listening at the seeds, or no answer at all. A refusal
+    on this machine is a wrong port (or a member not running); elsewhere it may also be a
+    home router that forwards no port (some refuse, some stay silent)."""
     where = ", ".join(seeds)
     alone = ("or train without peers: the first peer without --join, a peer's run resumed "
              "alone with --alone")  # fmt: skip
-    if refused:
+    nat = ("a peer behind a home router (NAT) cannot be joined: join a member others "
+           "can reach, forward its port or use a private network (README: Over the "
+           "internet)")  # fmt: skip
+    if refused and all(is_loopback(seed) for seed in seeds):
         return (
             f"nothing listens at {where} (every connection was refused for "
             f"{waited_s:.0f}s): check the port and that the member runs (its log says "
             f"`listening on tcp://...`); {alone}"
         )
+    if refused:
+        return (
+            f"nothing accepts connections at {where} (every connection was refused for "
+            f"{waited_s:.0f}s): check the port and that the member runs; {nat}; {alone}"
+        )
     return (
         f"no group member answered at {where} within {waited_s:.0f}s; check the address, "
-        "the firewall and --group-key; a peer behind a home router (NAT) cannot be joined: "
-        "join a member others can reach, forward its port or use a private network (README: "
-        f"Over the internet); {alone}"
+        f"the firewall and --group-key; {nat}; {alone}"
     )
