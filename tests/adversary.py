@@ -253,6 +253,9 @@ def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = ())
         "finite": finite,
         "refused": total("rejected.outlier") + total("rejected.nonfinite"),
         "served_refused": total("served.refused"),
+        # what the serve budget (atom/gossip/budget.py) answered busy, of what was served
+        "budget_busy": total("served.budget") + total("served.moved"),
+        "served_ok": total("served.ok"),
         "wall_s": wall,
     }
 

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -123,6 +124,15 @@ def status(run: Path) -> dict:
         return json.loads((Path(run) / "gossip.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+def step_figures(run: Path, prefixes: tuple[str, ...], skip: int = 20) -> tuple[float, int, dict]:
+    """A finished run's median step time (past the first `skip` steps: start-up), its
+    number of records, and the counters in its gossip.json that start with `prefixes`."""
+    recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    step = statistics.median(r["step_time_s"] for r in recs[skip:])
+    counters = status(run).get("counters", {})
+    return step, len(recs), {k: v for k, v in counters.items() if k.startswith(prefixes)}
 
 
 def endpoint(run: Path, timeout: float = 60.0, procs=()) -> str:

@@ -74,6 +74,16 @@ def cmd_poison(args: argparse.Namespace) -> None:
 STEPS_MODEL = ["--set", "model.n_layer=4", "--set", "model.d_model=128", "--set", "model.n_head=4"]
 
 
+def _victim(run: Path, timeout: float = 120, procs=()) -> dict:
+    """The victim's status once it listens and has written its config (what an attacker
+    needs of it: endpoint, name, group; the fingerprint from the config)."""
+    from tests import gossip_util as gu
+
+    gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
+                timeout, "the victim", procs)  # fmt: skip
+    return gu.status(run)
+
+
 def _fingerprint(run: Path) -> str:
     """The victim's model fingerprint, from the config it wrote (as a member knows it)."""
     from atom.config import Config
@@ -151,9 +161,7 @@ def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict
     proc = gu.start(args, work / f"{run.name}.log")
     peak = base = 0
     try:
-        gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
-                    60, "the victim", [proc])  # fmt: skip
-        victim = gu.status(run)
+        victim = _victim(run, 60, [proc])
         child = psutil.Process(proc.pid)
         base = child.memory_info().rss
         stop = threading.Event()
@@ -175,12 +183,9 @@ def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict
             adv.close()
     finally:
         gu.stop_all([proc], timeout=60)
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    step = statistics.median(r["step_time_s"] for r in recs[20:])
-    counters = gu.status(run).get("counters", {})
-    counted = {k: v for k, v in counters.items() if k.startswith(("rejected", "guard", "server"))}
+    step, steps, counted = gu.step_figures(run, ("rejected", "guard", "server"))
     return {"attack": attack or "none", "code": proc.returncode, "step_s": step,
-            "rss_growth_mb": peak / 2**20, "steps": len(recs), "counters": counted}  # fmt: skip
+            "rss_growth_mb": peak / 2**20, "steps": steps, "counters": counted}  # fmt: skip
 
 
 # ------------------------------------------------------------------ takeover
@@ -188,13 +193,10 @@ def _takeover(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
     """Wait for h0, then send it zeros in exchange requests from n_ids ids until stop."""
     import numpy as np
 
-    from tests import gossip_util as gu
     from tests.adversary import Adversary
 
     run = root / "h0"
-    gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
-                120, "the victim")  # fmt: skip
-    victim = gu.status(run)
+    victim = _victim(run)
     sizes = _unit_sizes(run)
     adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
     sent = served = 0
@@ -229,14 +231,11 @@ def _dialer(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
     count every connection made to them (listeners on loopback), under ever new names, and
     pings in invented names 'at' them: every connection they count was dialled on the
     attacker's word."""
-    from tests import gossip_util as gu
     from tests.adversary import Adversary
     from tests.test_gossip_identity import CountingListeners
 
     run = root / "h0"
-    gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
-                120, "the victim")  # fmt: skip
-    victim = gu.status(run)
+    victim = _victim(run)
     listeners = CountingListeners(200)
     eps = listeners.endpoints
     adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))

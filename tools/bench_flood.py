@@ -202,10 +202,7 @@ def run_once(work: Path, data: Path, steps: int, flood: int) -> dict:
                 time.sleep(0.05)
     finally:
         gu.stop_all([proc], timeout=120)
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    step = statistics.median(r["step_time_s"] for r in recs[20:])
-    counters = gu.status(run).get("counters", {})
-    counted = {k: v for k, v in counters.items() if k.startswith(("gate", "guard", "auth"))}
+    step, _, counted = gu.step_figures(run, ("gate", "guard", "auth"))
     return {"flood": flood, "code": proc.returncode, "step_s": step, "most_files": int(files),
             "cpu_per_step_ms": 1000 * (cpu1 - cpu0) / max(1, step1 - step0),
             "flooder": summary, "counters": counted}  # fmt: skip

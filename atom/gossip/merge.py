@@ -182,15 +182,18 @@ class DiLoCoMerge(GossipMerge):
             self.last_outer_step[u] = self.step - self.inner_steps * k // len(units)
             self.period_move[u] = 0.0
 
+    def _since(self, unit: int) -> int:
+        """Our steps since the unit's last outer step."""
+        return self.step - self.last_outer_step.get(unit, 0)
+
     def due(self, unit: int) -> bool:
-        return self.step - self.last_outer_step.get(unit, 0) >= self.inner_steps
+        return self._since(unit) >= self.inner_steps
 
     def servable(self, unit: int) -> bool:
         """Due, or within SERVE_EARLY of a period of it: a partner a little ahead of us
         (faster, or a peer that took the unit's last step with someone else) is served;
         an outer step on request every few steps is not."""
-        since = self.step - self.last_outer_step.get(unit, 0)
-        return since >= self.inner_steps * (1 - SERVE_EARLY)
+        return self._since(unit) >= self.inner_steps * (1 - SERVE_EARLY)
 
     def schedule(self, interval_s: float, n_units: int) -> tuple[Callable[[], float], float]:
         """Our own optimizer steps; a period is H of them."""

@@ -377,7 +377,7 @@ class GossipPeer:
         key) ends the wait at once with the reason, not at the join timeout."""
         deadline = time.monotonic() + self.cfg.join_timeout_s
         watch = self._seeds = SeedWatch(self.ctx, self.keys, self.cfg.seeds, self.cfg.seed_names)
-        told = False  # the seeds refuse connections: said once
+        probe_at = time.monotonic() + 3  # once: is anything listening at the seeds?
         try:
             while not self._ready_sources():
                 if self.join_refusal is not None:
@@ -389,9 +389,9 @@ class GossipPeer:
                     refused = refused_everywhere(self.cfg.seeds)
                     raise GossipError(no_member_line(self.cfg.seeds, self.cfg.join_timeout_s,
                                                      refused))  # fmt: skip
-                if time.monotonic() > deadline - self.cfg.join_timeout_s + 3 and not told:
-                    told = refused_everywhere(self.cfg.seeds)  # said once, while waiting
-                    if told:
+                if time.monotonic() > probe_at:  # one probe: each is a connection to them
+                    probe_at = float("inf")
+                    if refused_everywhere(self.cfg.seeds):
                         self.log.warning("nothing accepts connections at %s yet (refused): "
                                          "waiting up to %.0fs for the member to start",
                                          ", ".join(self.cfg.seeds),
