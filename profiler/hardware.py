@@ -18,13 +18,13 @@ import psutil
 import torch
 
 from atom.config import ConfigError
-from atom.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli/, tools/
+from atom.ground.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli/, tools/
 
 log = logging.getLogger(__name__)
 
 GiB = 2**30
 # One core's time for a compact unit update, ns per parameter: 7.8 on an EPYC core for the
-# eager update (`python -m tools.bench_host_update --threads 1`, docs/benchmarks.md, 6-7x
+# eager update (`python -m tools.bench.host_update --threads 1`, docs/benchmarks.md, 6-7x
 # torch's fused fp32 update); the compiled one (swap.compile_update, the default; in two
 # loops since 2026-11-27) ran 2.3-4.4x faster than the eager one on the same cores, side
 # by side (1 and 2 threads): 7.8 / 2.3. Presets assume 4 cores' worth: a desktop's 8 at

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from atom.config import Config, ConfigError, replace
-from atom.device import DTYPES
+from atom.ground.device import DTYPES
 from atom.model.compiled_blocks import wanted
 from atom.optim.compact import CHUNK
 from atom.profiler import hardware, tiers, timing
@@ -99,7 +99,7 @@ def run_profile(
         def times_for(mb: int, a: ModelAnalysis):
             return timing.estimate_pieces(a, mb, hw)
     else:
-        from atom.device import resolve_device
+        from atom.ground.device import resolve_device
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype), refresh)

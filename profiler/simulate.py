@@ -1,6 +1,6 @@
 """Cost model: tokens/s and time-to-loss of atom, GPipe pipeline parallel and synchronous
 data parallel for a group of peers joined by a link matrix. `atom simulate` is its
-command line (atom/cli/simulate.py); tools/bench_vs_pipeline.py validates it.
+command line (atom/cli/simulate.py); tools/bench/vs_pipeline.py validates it.
 
 Inputs come from the profiler: per-block forward/backward time at a micro-batch size
 (measured, or estimated from FLOPs for a stated GPU), host<->device bandwidth and the host
@@ -64,7 +64,7 @@ from atom.profiler.cost import Candidate, Prediction, predict
 from atom.profiler.hardware import HardwareSpec
 from atom.profiler.timing import PieceTimes
 
-# Fitted to the 2026-11-21 measured runs (tools/bench_vs_pipeline.py report); see
+# Fitted to the 2026-11-21 measured runs (tools/bench/vs_pipeline.py report); see
 # docs/benchmarks.md. Steps between averagings of a unit at which atom keeps half of the
 # gap between N independent runs and sync SGD.
 DEFAULT_TAU0 = 5.6

@@ -1,6 +1,6 @@
 """A scripted hostile peer that speaks the real protocol (wire.py headers over a ZeroMQ
 DEALER, CURVE when given a member's key bundle), for the attack tests
-(tests/test_adversary.py) and the attack benchmark (tools/bench_attacks.py).
+(tests/test_adversary.py) and the attack benchmark (tools/bench/attacks.py).
 
 It sends exactly what it is told, valid or not, in anyone's name:
 

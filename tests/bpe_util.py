@@ -33,9 +33,9 @@ def save_tokenizer(tok, directory: Path, config: dict) -> Path:
 
 
 def script_generation(monkeypatch, script: list[int], vocab: int) -> list[list[int]]:
-    """Make atom.generate's model write `script`, one token a step; the list returned
+    """Make atom.commands.generate's model write `script`, one token a step; the list returned
     fills with what the model was given at each step."""
-    import atom.generate as gen
+    import atom.commands.generate as gen
 
     seen: list[list[int]] = []
 

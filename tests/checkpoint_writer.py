@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         return 2
     # Run as a script from any cwd, whether or not atom is installed.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from atom.checkpoint import list_checkpoints, save_checkpoint
+    from atom.store.checkpoint import list_checkpoints, save_checkpoint
 
     run_dir = Path(argv[1])
     max_seconds = float(argv[2]) if len(argv) == 3 else 120.0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from atom.config import Config
-from atom.data import prepare
+from atom.data.tokens import prepare
 
 torch.set_flush_denormal(True)  # denormals slow CPU backward ~10x (FIELD_NOTES.md)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from atom.checkpoint import load_checkpoint
-from atom.data import prepare
+from atom.data.tokens import prepare
+from atom.store.checkpoint import load_checkpoint
 
 # Three vocabularies with no word in common: a model trained on one shard alone has never
 # seen the other shards' words, so mixing with peers shows up clearly in validation loss.
@@ -102,7 +102,7 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
 
 
 def start_in(net, node: int, cmd: list[str], log: Path) -> subprocess.Popen:
-    """start(), inside node `node` of a tools.netshape NetShape (stopped at its teardown)."""
+    """start(), inside node `node` of a tools.net.shape NetShape (stopped at its teardown)."""
     with open(log, "w") as f:
         return net.popen(node, cmd, stdout=f, stderr=subprocess.STDOUT, env=_peer_env())
 
@@ -190,7 +190,7 @@ def val_loss(run: Path, data: Path) -> float:
     """A finished run's checkpoint evaluated on another dataset's validation split: the
     same batches for every run (they are drawn by train.seed, which peers set apart)."""
     from atom.config import Config
-    from atom.train import Trainer
+    from atom.run.train import Trainer
 
     saved = json.loads((Path(run) / "config.json").read_text())
     saved["gossip"] = {}

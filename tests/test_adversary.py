@@ -226,8 +226,8 @@ def test_a_connection_flood_under_a_low_file_limit_ends_cleanly(tmp_path):
     import resource
     import subprocess
 
-    from atom.checkpoint import list_checkpoints, step_of
     from atom.gossip.net.gate import PER_ADDRESS
+    from atom.store.checkpoint import list_checkpoints, step_of
     from tests import gossip_util as gu
 
     shards, _ = gu.make_shards(tmp_path, n_lines=400)
@@ -281,7 +281,7 @@ def test_one_poisoning_member_among_four_costs_the_honest_little(tmp_path, strat
     of 1e18: no checkpoint of the honest holds a value not finite or beyond 1e6, and their
     mean val loss (on all shards) stays close to the clean run's. The bound here is 10%
     (15% for the outer optimizer): two clean runs differ by up to 3% (6%), so one pair
-    cannot show 5% reliably; tools/bench_attacks.py repeats it, with the other poisons
+    cannot show 5% reliably; tools/bench/attacks.py repeats it, with the other poisons
     (sign-flipped, 1e30), for the 5% target (docs/benchmarks.md). Unguarded, this poison
     ruins them."""
     from tests.adversary import honest_group

@@ -1,4 +1,4 @@
-"""tools/bench_swap: each engine in its own process, and `atom train` beside them.
+"""tools/bench/swap: each engine in its own process, and `atom train` beside them.
 
     pytest tests/test_bench_swap.py
 
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from tools import bench_swap
+from tools.bench import swap as bench_swap
 
 
 @pytest.mark.slow

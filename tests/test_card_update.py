@@ -19,7 +19,7 @@ import torch
 
 from atom.config import ConfigError
 from atom.optim import lr_at
-from atom.resident import ResidentEngine
+from atom.resident.engine import ResidentEngine
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config
@@ -251,7 +251,7 @@ def test_a_merge_into_a_unit_kept_on_the_card_reaches_the_next_step():
 
 
 def test_a_checkpoint_loaded_into_an_engine_with_units_on_the_card_is_trained_on(tmp_path):
-    from atom.checkpoint import load_checkpoint, save_checkpoint
+    from atom.store.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = _config("all", 0.0, "exact", "unit", 1, 3)
     a = SwapEngine(cfg, CpuBackend(), torch.float32)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from atom.cli import main
-from atom.data import LEARN, START, DataError, TokenData, prepare
+from atom.data.tokens import LEARN, START, DataError, TokenData, prepare
 from atom.model.documents import IGNORE
 from tests.bpe_util import byte_level_bpe, save_tokenizer
 
@@ -273,11 +273,11 @@ def test_eval_of_records_scores_only_the_answers_as_plain_pytorch_does(tmp_path)
     model's loss over the same windows in one plain-PyTorch call."""
     import math
 
-    from atom.checkpoint import load_checkpoint
+    from atom.commands.evaluate import evaluate_run
     from atom.config import Config
-    from atom.evaluate import evaluate_run
     from atom.model import build_model, materialize
     from atom.model.documents import Documents
+    from atom.store.checkpoint import load_checkpoint
 
     out = _train_on_records(tmp_path, "model.seq_len=32", "train.max_steps=2",
                             "train.eval_interval=0")  # fmt: skip

@@ -1,4 +1,4 @@
-"""Tests for atom.checkpoint: round trip, pruning, re-saving, corruption, and SIGKILL safety.
+"""Tests for atom.store.checkpoint: round trip, pruning, re-saving, corruption, and SIGKILL safety.
 
 Run: pytest tests/test_checkpoint.py
 (the SIGKILL test is marked slow + multiprocess; deselect with -m "not slow")
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from atom import checkpoint as ckpt_mod
-from atom.checkpoint import (
+from atom.store import checkpoint as ckpt_mod
+from atom.store.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
     find_latest,
@@ -221,9 +221,9 @@ def test_resave_same_step_replaces_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     if not exchange:
-        import atom.atomic_dir
+        import atom.ground.atomic_dir
 
-        monkeypatch.setattr(atom.atomic_dir, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(atom.ground.atomic_dir, "_exchange", lambda a, b: False)
     save_checkpoint(tmp_path, 1, _simple(1), {"v": "old"})
     save_checkpoint(tmp_path, 2, [("a", {"a.w": torch.zeros(3)})], {"v": "old"})
     final = save_checkpoint(tmp_path, 2, [("c", {"c.w": torch.ones(5)})], {"v": "new"})
@@ -394,7 +394,7 @@ def test_find_latest_skips_corrupt_newest(tmp_path: Path, caplog: pytest.LogCapt
     data[-1] ^= 0x01
     f.write_bytes(bytes(data))
 
-    with caplog.at_level("WARNING", logger="atom.checkpoint"):
+    with caplog.at_level("WARNING", logger="atom.store.checkpoint"):
         assert find_latest(tmp_path) == older
     assert any(str(newest) in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
     ck = load_checkpoint(tmp_path)
@@ -485,7 +485,12 @@ _OUT_OF_FILES_SCRIPT = r"""
 import errno, json, os, resource, sys
 from pathlib import Path
 import torch
-from atom.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from atom.store.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 run = Path(sys.argv[1])
 save_checkpoint(run, 1, [("a", {"a.w": torch.ones(8)})], {})

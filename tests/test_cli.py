@@ -186,7 +186,7 @@ def test_stop_signal_saves_a_checkpoint_and_exits_130(tmp_path, text_dataset, si
     import signal
     import time
 
-    from atom.checkpoint import load_checkpoint
+    from atom.store.checkpoint import load_checkpoint
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "atom.cli", "train", "--no-progress", "--out", str(out),
@@ -337,7 +337,7 @@ def test_a_save_the_system_refuses_is_one_line_and_keeps_the_last_checkpoint(
 ):
     """Disk full (or out of file handles) at the second checkpoint: one line naming the
     cause, the fix and the checkpoint that is still there; nothing half-written left."""
-    import atom.checkpoint as checkpoint
+    import atom.store.checkpoint as checkpoint
 
     real, calls = checkpoint.save_file, [0]
 
@@ -372,7 +372,7 @@ def test_a_run_that_does_not_use_deepspeed_does_not_import_it(tmp_path):
 
 
 def test_resume_names_each_max_steps_change_once():
-    from atom.run_config import resume_changes, resume_run_config
+    from atom.run.run_config import resume_changes, resume_run_config
     from tests.conftest import tiny_config
 
     saved = tiny_config(train={"max_steps": 300}).to_dict()
@@ -420,10 +420,10 @@ def test_eval_scores_every_token_of_a_file_as_plain_pytorch_does(run_dir, tmp_pa
 
     import torch
 
-    from atom.checkpoint import load_checkpoint
+    from atom.commands.evaluate import evaluate_run
     from atom.config import Config
-    from atom.evaluate import evaluate_run
     from atom.model import build_model, materialize
+    from atom.store.checkpoint import load_checkpoint
 
     text = tmp_path / "held_out.txt"
     text.write_text("the units stream through the device and the loss falls\n" * 30)
@@ -483,7 +483,7 @@ def test_eval_of_a_text_file_is_quiet_and_scores_a_short_one(run_dir, tmp_path, 
     was refused (now: one shorter window)."""
     import logging
 
-    from atom.evaluate import evaluate_run
+    from atom.commands.evaluate import evaluate_run
 
     short = tmp_path / "short.txt"
     short.write_text("the loss falls")  # 14 bytes: under seq_len 32

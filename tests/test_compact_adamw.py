@@ -15,7 +15,7 @@ from atom.config import ConfigError, TrainConfig
 from atom.optim import lr_at
 from atom.optim.compact import BLOCK, ChunkScratch, CompactAdamW, decode, encode, padded
 from atom.optim.remainder import join, split
-from atom.resident import ResidentEngine
+from atom.resident.engine import ResidentEngine
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config
@@ -214,7 +214,7 @@ def test_compact_host_bytes_per_parameter():
 
 def _train_save_continue(cfg, tmp_path, steps: int, more: int):
     """Train `steps`, checkpoint, train `more`: (checkpoint path, the later losses)."""
-    from atom.checkpoint import save_checkpoint
+    from atom.store.checkpoint import save_checkpoint
 
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     try:
@@ -228,7 +228,7 @@ def _train_save_continue(cfg, tmp_path, steps: int, more: int):
 def test_compact_checkpoint_resume_continues_the_run(tmp_path):
     """Save after 4 steps, load into a fresh compact engine, train on: the same losses as
     the run that never stopped (the exact master and the moments survive the fp32 format)."""
-    from atom.checkpoint import load_checkpoint
+    from atom.store.checkpoint import load_checkpoint
 
     cfg = tiny_config(swap={"state": "compact"}, train={"lr": 3e-3})
     path, tail = _train_save_continue(cfg, tmp_path, 4, 4)
@@ -245,7 +245,7 @@ def test_compact_checkpoint_resume_continues_the_run(tmp_path):
 def test_fp32_checkpoint_resumes_into_compact(tmp_path):
     """Checkpoints have one format: an fp32-state run's checkpoint loads into a compact
     engine (weights to bf16 + remainder, exactly; moments to 8 bits) and its loss carries on."""
-    from atom.checkpoint import load_checkpoint
+    from atom.store.checkpoint import load_checkpoint
 
     path, tail = _train_save_continue(tiny_config(train={"lr": 3e-3}), tmp_path, 6, 3)
     compact = tiny_config(swap={"state": "compact"}, train={"lr": 3e-3})

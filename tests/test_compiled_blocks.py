@@ -14,7 +14,7 @@ from atom.config import ConfigError
 from atom.model import build_model, compiled_blocks, materialize
 from atom.model.documents import Documents
 from atom.optim import lr_at
-from atom.resident import ResidentEngine
+from atom.resident.engine import ResidentEngine
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config

@@ -95,7 +95,7 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 def test_the_ground_floor_config_loader_leaves_hugging_face_to_the_run_loader(tmp_path):
     """atom.config knows nothing of Hugging Face (no import upward): a file naming a
-    checkpoint is refused there in one line, and atom.run_config is what reads it."""
+    checkpoint is refused there in one line, and atom.run.run_config is what reads it."""
     from atom.config import ConfigError, load_config
 
     path = tmp_path / "ft.yaml"

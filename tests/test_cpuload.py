@@ -1,4 +1,4 @@
-"""tools/cpuload.py: benchmarks tell other users' CPU use from their own."""
+"""tools/bench/cpuload.py: benchmarks tell other users' CPU use from their own."""
 
 import os
 import signal
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tools.cpuload import ForeignLoad
+from tools.bench.cpuload import ForeignLoad
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 

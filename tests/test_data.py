@@ -1,4 +1,7 @@
-"""Tests for atom.data (prepare, default_corpus, TokenData). Run: pytest tests/test_data.py"""
+"""Tests for atom.data.tokens (prepare, default_corpus, TokenData).
+
+pytest tests/test_data.py
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from atom.data import (
+from atom.data.tokens import (
     DataError,
     DatasetMeta,
     TokenData,
@@ -123,7 +126,7 @@ def test_interrupted_prepare_leaves_no_meta(tmp_path: Path, monkeypatch) -> None
     prepare([tmp_path / "src"], out, progress=False)
     assert (out / "meta.json").exists()
 
-    import atom.data as data
+    import atom.data.tokens as data
 
     real_blocks = data.file_blocks
 
@@ -227,7 +230,7 @@ def test_token_dtype_and_check_vocab() -> None:
 
 
 def test_default_corpus_builds_once(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="atom.data")
+    caplog.set_level(logging.INFO, logger="atom.data.tokens")
     d = default_corpus(cache_dir=tmp_path, max_bytes=200_000)
     major, minor = sys.version_info[:2]
     assert d == tmp_path / f"stdlib-py{major}{minor}-200000"
@@ -349,7 +352,7 @@ def test_bpe_encoding_in_pieces_equals_the_whole(tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from atom.data import text_pieces
+    from atom.data.tokens import text_pieces
 
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "über", "lazy", "dog", "42", "—", ","]
@@ -374,7 +377,7 @@ def test_files_are_read_in_blocks_cut_before_a_word(tmp_path: Path) -> None:
     """prepare reads a file in blocks (bounded memory for a corpus of any size): the blocks
     are the file, each cut before a word or, with none near, at a UTF-8 boundary; the
     byte tokenizer's ids and a dataset prepared from them are those of the whole file."""
-    from atom.data import file_blocks
+    from atom.data.tokens import file_blocks
 
     rng = np.random.default_rng(1)
     words = ["über", "naïve", "fox", "—", "dog", "42"]
@@ -390,7 +393,7 @@ def test_files_are_read_in_blocks_cut_before_a_word(tmp_path: Path) -> None:
     parts = list(file_blocks(dense, size=1001))
     assert b"".join(parts) == dense.read_bytes()
     assert all(p.decode("utf-8") for p in parts)  # every block decodes on its own
-    import atom.tokenize as tokenize
+    import atom.text.tokenize as tokenize
 
     small = tokenize.BLOCK_BYTES
     try:
@@ -411,7 +414,7 @@ def test_a_split_too_small_for_one_window_names_the_fix(tmp_path: Path, caplog) 
     prepare([src], out, val_fraction=0.03, progress=False)  # 1 val token
     with pytest.raises(DataError, match=r"val split .* has 1 token.*larger --val-fraction"):
         TokenData(out, seq_len=8, seed=0)
-    with caplog.at_level(logging.WARNING, logger="atom.data"):
+    with caplog.at_level(logging.WARNING, logger="atom.data.tokens"):
         prepare([src], out, val_fraction=0.5, progress=False)
         data = TokenData(out, seq_len=64, seed=0)
     assert "the train split" in caplog.text and "windows are 14 tokens long" in caplog.text

@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from atom.device import resolve_device
+from atom.ground.device import resolve_device
 from tests.conftest import tiny_config
 
 
@@ -64,7 +64,7 @@ def test_the_current_device_is_the_one_resolved(monkeypatch):
 def test_cards_with_bf16_only_by_emulation_get_fp16(monkeypatch):
     """torch.cuda.is_bf16_supported() says yes on a T4 (emulation); atom, the profiler's
     measured spec and the DeepSpeed baseline must all pick fp16 with loss scaling there."""
-    from tools.deepspeed_baseline import ds_config
+    from tools.baselines.deepspeed_baseline import ds_config
 
     _FakeCuda(bf16=False, emulated_bf16=True).install(monkeypatch)
     assert torch.cuda.is_bf16_supported()  # what used to decide

@@ -21,10 +21,10 @@ import torch
 
 from atom.config import ConfigError
 from atom.optim import lr_at
+from atom.run.train import Trainer
 from atom.swap import disk_tier
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
-from atom.train import Trainer
 from tests.conftest import tiny_config
 from tests.test_swap_equivalence import batches_for
 
@@ -104,7 +104,7 @@ def test_slow_writes_never_let_a_unit_come_back_stale(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("direction", ["ram-to-disk", "disk-to-ram"])
 def test_checkpoints_move_between_tiers(tmp_path, direction):
-    from atom.checkpoint import load_checkpoint, save_checkpoint
+    from atom.store.checkpoint import load_checkpoint, save_checkpoint
 
     ram = tiny_config()
     disk = tiny_config(swap={"disk_dir": str(tmp_path / "tier")})

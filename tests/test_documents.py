@@ -11,7 +11,7 @@ import torch
 from atom.model import build_model, lm_loss, materialize
 from atom.model.documents import IGNORE, Documents, positions_in_documents
 from atom.optim import lr_at
-from atom.resident import ResidentEngine
+from atom.resident.engine import ResidentEngine
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.checkpoint import save_checkpoint
-from atom.generate import generate
+from atom.commands.generate import generate
 from atom.model import build_model, materialize
 from atom.model.kv_cache import KVCache
+from atom.store.checkpoint import save_checkpoint
 from tests.bpe_util import byte_level_bpe, save_tokenizer, script_generation
 from tests.conftest import tiny_config
 
@@ -62,7 +62,7 @@ def test_generate_with_and_without_the_cache_is_the_same_text(tmp_path, model):
 
 
 def test_generation_stops_at_the_end_of_text_token(tmp_path, monkeypatch):
-    import atom.generate as gen
+    import atom.commands.generate as gen
 
     run = _run_dir(tmp_path, {})
     first = gen.generate(run, "a", 1, temperature=0.0, top_k=1).text[-1:]  # greedy's pick
@@ -88,8 +88,8 @@ def test_generating_does_not_grow_the_rope_table_cache(tmp_path):
 
 
 def test_end_of_turn_markers():
-    from atom.generate import end_of_turn
-    from atom.text import chatml
+    from atom.commands.generate import end_of_turn
+    from atom.text.records import chatml
 
     assert end_of_turn(chatml) == "<|im_end|>"
 
@@ -106,7 +106,7 @@ def test_end_of_turn_markers():
 def test_chat_lays_out_the_prompt_and_stops_at_the_end_of_the_turn(tmp_path, monkeypatch):
     """A scripted model writes "Blue.<|im_end|>\\nmore": the reply is "Blue.", generation
     stops at the marker, and the model read the ChatML prompt with the system message."""
-    import atom.generate as gen
+    import atom.commands.generate as gen
 
     run = _run_dir(tmp_path, {})
     seen = script_generation(monkeypatch, list(b"Blue.<|im_end|>\nmore"), 256)
@@ -137,7 +137,7 @@ def test_chat_with_a_bpe_tokenizer_stops_at_a_special_end_of_turn(tmp_path, monk
     pytest.importorskip("tokenizers")
     from tokenizers import processors
 
-    import atom.generate as gen
+    import atom.commands.generate as gen
 
     tok = byte_level_bpe(["Name a colour. Blue. more"] * 20, ["<s>", "<|im_start|>", "<|im_end|>"])
     bos = tok.token_to_id("<s>")
@@ -170,8 +170,8 @@ def test_chat_with_a_bpe_tokenizer_stops_at_a_special_end_of_turn(tmp_path, monk
 def test_a_small_model_decodes_on_one_thread_and_leaves_the_count_alone(tmp_path, monkeypatch):
     """A 0.8M-parameter model decoded 11-37 tokens/s on every core of a loaded box and
     478-501 on one: token-by-token decoding of a small model runs on one thread."""
-    import atom.generate as gen_mod
-    from atom.threads import decode_threads
+    import atom.commands.generate as gen_mod
+    from atom.ground.threads import decode_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

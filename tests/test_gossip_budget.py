@@ -197,7 +197,7 @@ def test_an_outer_optimizer_serves_a_unit_only_near_its_turn(group):  # noqa: F8
 def test_a_unit_collapsed_by_gossip_rolls_the_run_back(tmp_path, text_dataset, caplog):
     """The alarm (a unit's norm halved while gossip moved it): the trainer reloads its
     newest checkpoint, as for non-finite weights, and trains on to the end."""
-    from atom.train import Trainer
+    from atom.run.train import Trainer
     from tests.conftest import tiny_config
 
     cfg = tiny_config(

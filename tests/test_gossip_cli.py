@@ -123,7 +123,7 @@ def test_peers_prints_the_group(tmp_path, capsys):
 def test_an_empty_set_value_is_the_empty_string():
     """`--set gossip.join=` said "gossip.join must be str, got None" though its default
     is ""; a key that also takes null (gossip.listen) keeps YAML's null."""
-    from atom.run_config import load_run_config
+    from atom.run.run_config import load_run_config
 
     cfg = load_run_config(None, ["gossip.join=", "gossip.listen=", "gossip.name="])
     assert cfg.gossip.join == "" and cfg.gossip.listen is None and cfg.gossip.name == ""

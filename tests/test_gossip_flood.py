@@ -1,6 +1,6 @@
 """A half-open connection flood against a gossip peer: TCP connections that never send a
 byte of the ZeroMQ greeting, each opened again as soon as it is dropped (the flooder of
-tools/bench_flood.py, a child process, from loopback addresses the honest peers do not
+tools/bench/flood.py, a child process, from loopback addresses the honest peers do not
 use). The peer's open files stay bounded, no such connection outlives the handshake
 timeout by much, and exchanges with an honest partner go on.
 
@@ -21,7 +21,7 @@ from atom.gossip.net.listener import BACKLOG, attach, open_listener, refusing
 from atom.gossip.net.memguard import open_files
 from tests.adversary import Adversary
 from tests.test_gossip_peers import group, wait_until  # noqa: F401 (fixture)
-from tools.bench_flood import flooding
+from tools.bench.flood import flooding
 
 # the peers' own sockets and files, and a burst: libzmq accepts what comes (the flood's
 # first connections, the SYNs it sends again as a ban ends: hundreds in a few ms) before

@@ -337,7 +337,7 @@ def test_keygen_bundles_name_the_keys_members_serve_with(tmp_path):
 
 def test_leaving_says_goodbye_to_few_peers_it_never_reached(group):  # noqa: F811
     """Every name an attacker pings us in is alive here; a goodbye to each of them was a
-    dial on its word (187 at one peer's end in tools/bench_attacks.py dialer). Those our
+    dial on its word (187 at one peer's end in tools/bench/attacks.py dialer). Those our
     pings never reached get GOODBYE_UNREACHED at most; partners we reached get theirs."""
     from atom.gossip.heartbeat import GOODBYE_UNREACHED
 

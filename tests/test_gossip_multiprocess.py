@@ -47,7 +47,7 @@ def test_gossip_beats_isolation_on_disjoint_shards(tmp_path, strategy):
     every peer's model knows all three shards (lower loss on the union's val split).
     Plain averaging, and the outer optimizer with int8 exchanges (the default)."""
     from atom.config import replace
-    from atom.train import Trainer, build_engine
+    from atom.run.train import Trainer, build_engine
     from tests.conftest import tiny_config
 
     shards, union = gu.make_shards(tmp_path)

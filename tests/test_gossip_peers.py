@@ -25,7 +25,7 @@ from atom.gossip.merge import UnitParams
 from atom.gossip.net.keys import keygen
 from atom.gossip.net.wire import PROTOCOL
 from atom.gossip.peer import GossipPeer
-from atom.train import build_engine
+from atom.run.train import build_engine
 from tests.conftest import tiny_config
 
 FAST = {"heartbeat_s": 0.2, "dead_after_s": 1.0, "join_timeout_s": 5.0, "interval_s": 0.02}
@@ -479,7 +479,7 @@ def test_a_joiner_with_no_key_or_a_wrong_one_is_told_at_once(group, tmp_path, ca
 
 
 def test_the_load_is_read_while_workers_serve(group):
-    """Found by the soak (tools/soak.py): every heartbeat header carries load(), read on
+    """Found by the soak (tools/net/soak.py): every heartbeat header carries load(), read on
     the server's I/O thread while a worker notes a served exchange; the unlocked read
     failed with "deque mutated during iteration" (a traceback in the log, a pong lost)."""
     import threading
@@ -565,8 +565,8 @@ def test_diloco_outer_state_is_checkpointed_and_resumed_exactly(tmp_path, text_d
     """The outer weights, momentum and each unit's last outer step are in the checkpoint
     (optimizer state: names start with "optim.") and a resumed run continues from them;
     before, a resume restarted them from the resumed weights."""
-    from atom.checkpoint import load_checkpoint
-    from atom.train import Trainer
+    from atom.run.train import Trainer
+    from atom.store.checkpoint import load_checkpoint
 
     gossip = {"listen": "tcp://127.0.0.1:0", "strategy": "diloco", "diloco_steps": 3, **FAST}
     cfg = tiny_config(train={"max_steps": 4, "ckpt_interval": 4, "data": str(text_dataset)})

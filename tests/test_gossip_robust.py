@@ -139,7 +139,7 @@ def test_a_joiner_refuses_a_group_past_its_own_end(group, text_dataset, tmp_path
     """A member claiming step 10^12: the joiner would copy it and train 0 steps, exit 0;
     it stops in one line instead."""
     from atom.config import ConfigError
-    from atom.train import Trainer
+    from atom.run.train import Trainer
     from tests.conftest import tiny_config
     from tests.test_gossip_peers import FAST
 

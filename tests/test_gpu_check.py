@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tools import gpu_check, gpu_proc
+from tools import gpu_check
+from tools.gpu import proc as gpu_proc
 
 
 @pytest.mark.slow
@@ -83,7 +84,7 @@ def _train_child(out, env, patch: str) -> tuple[int, dict]:
     """gpu_check's `big` training child with `patch` run first; (exit, big_train.json)."""
     (out / "big_train.json").unlink(missing_ok=True)
     plan = str(out / "plan.json")
-    script = (f"import os, signal, tools.gpu_proc, tools.gpu_steps as s; {patch}; "
+    script = (f"import os, signal, tools.gpu.proc, tools.gpu.steps as s; {patch}; "
               f"s.train_child({plan!r}, 'tiny', '1GiB', 1, True, [])")  # fmt: skip
     code, log = gpu_proc.run_child(["-c", script], timeout=300, env=env)
     assert (out / "big_train.json").exists(), log
@@ -102,7 +103,7 @@ def test_big_keeps_its_numbers_when_the_budget_kills_it(tiny_plan):
 
 @pytest.mark.slow
 def test_big_skips_the_variants_the_budget_cannot_fit(tiny_plan):
-    code, res = _train_child(*tiny_plan, "tools.gpu_proc.seconds_left = lambda: 0.0")
+    code, res = _train_child(*tiny_plan, "tools.gpu.proc.seconds_left = lambda: 0.0")
     assert code == 0 and res["tokens_per_s"] > 0
     assert len(res["variants"]) == 3
     assert all("out of the time budget" in v["skipped"] for v in res["variants"])

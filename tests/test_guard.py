@@ -1,4 +1,4 @@
-"""A run never trains on, or saves, weights that diverged or were poisoned (atom/guard.py).
+"""A run never trains on, or saves, weights that diverged or were poisoned (atom/run/guard.py).
 
 pytest tests/test_guard.py
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atom.checkpoint import list_checkpoints, load_checkpoint
 from atom.cli import main
-from atom.errors import TrainingError
-from atom.train import Trainer
+from atom.ground.errors import TrainingError
+from atom.run.train import Trainer
+from atom.store.checkpoint import list_checkpoints, load_checkpoint
 from tests.conftest import tiny_config
 
 
@@ -75,8 +75,8 @@ def test_a_save_out_of_open_files_is_tried_again(tmp_path, text_dataset, monkeyp
     attempt, not the run; any other failure, or EMFILE every time, still ends it."""
     import errno
 
-    import atom.train as train_module
-    from atom.checkpoint import CheckpointError
+    import atom.run.train as train_module
+    from atom.store.checkpoint import CheckpointError
 
     monkeypatch.setattr(train_module, "SAVE_RETRY_S", 0.0)
     cfg = tiny_config(train={"max_steps": 2, "data": str(text_dataset)})
@@ -111,9 +111,9 @@ def test_a_disk_full_for_a_while_does_not_end_the_run(tmp_path, text_dataset, mo
     import json
     import os
 
-    import atom.run_log as run_log_module
-    import atom.train as train_module
-    from atom.checkpoint import CheckpointError
+    import atom.run.run_log as run_log_module
+    import atom.run.train as train_module
+    from atom.store.checkpoint import CheckpointError
 
     cfg = tiny_config(train={"max_steps": 8, "ckpt_interval": 2, "data": str(text_dataset)})
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
@@ -218,7 +218,7 @@ def test_a_rollbacks_reload_is_not_cut_short_by_ctrl_c(capfd):
     would be saved by the interrupt handler); the message says what is under way."""
     import signal
 
-    from atom.signals import Interrupts
+    from atom.run.signals import Interrupts
 
     # Interrupts leaves SIGINT alone where it is not Python's default (a background job
     # ignores it): make it the default here, so the test runs there too

@@ -29,14 +29,14 @@ from atom.model.documents import Documents, positions_in_documents
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from atom.checkpoint import load_checkpoint  # noqa: E402
 from atom.cli import main  # noqa: E402
 from atom.config import replace  # noqa: E402
-from atom.data import TokenData, prepare  # noqa: E402
+from atom.data.tokens import TokenData, prepare  # noqa: E402
 from atom.hf import HFSource, model_bytes  # noqa: E402
 from atom.model import build_model, materialize  # noqa: E402
-from atom.run_config import load_run_config  # noqa: E402
-from atom.train import Trainer  # noqa: E402
+from atom.run.run_config import load_run_config  # noqa: E402
+from atom.run.train import Trainer  # noqa: E402
+from atom.store.checkpoint import load_checkpoint  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -268,7 +268,7 @@ PEAK_RAM_SCRIPT = textwrap.dedent(
     """
     import json, resource, sys, threading, time
     import psutil, torch
-    from atom.run_config import load_run_config
+    from atom.run.run_config import load_run_config
     from atom.hf import load_weights, model_bytes
     from atom.swap.backend import CpuBackend
     from atom.swap.engine import SwapEngine
@@ -457,7 +457,7 @@ def test_jsonl_records_and_chat_template(tmp_path, tok_dir):
     assert "the host keeps" in text and "<|user|>a card" in text
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"title": "no text"}\n')
-    from atom.data import DataError
+    from atom.data.tokens import DataError
 
     with pytest.raises(DataError, match=r"bad.jsonl:2 has no \"text\""):
         prepare([bad], tmp_path / "e", tokenizer=str(tok_dir), progress=False)
@@ -504,7 +504,7 @@ def test_fine_tuning_on_another_tokenizers_data_is_refused(tmp_path):
     the wrong text: refused, with the prepare command that fixes it (they were warnings)."""
     from types import SimpleNamespace
 
-    from atom.errors import DataError
+    from atom.ground.errors import DataError
     from atom.hf.source import _check_tokenizer
 
     with pytest.raises(DataError, match=f"--tokenizer {tmp_path}"):

@@ -16,18 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# floor of each module or package (the longest matching prefix wins)
+# floor of each folder (the longest matching prefix wins): a module's floor is its folder's
 FLOORS = {
-    "atom.errors": 0, "atom.config": 0, "atom.sizes": 0, "atom.device": 0,
-    "atom.engine_protocol": 0, "atom.threads": 0,
-    "atom.model": 1, "atom.optim": 1,
-    "atom.text": 1,
-    "atom.tokenize": 1, "atom.checkpoint": 1, "atom.run_dir": 1, "atom.atomic_dir": 0,
+    "atom.ground": 0, "atom.config": 0,
+    "atom.model": 1, "atom.optim": 1, "atom.text": 1, "atom.store": 1,
     "atom.swap": 2, "atom.resident": 2, "atom.data": 2, "atom.hf": 2, "atom.gossip.net": 2,
-    "atom.loggers": 2,
-    "atom.gossip": 3, "atom.profiler": 3, "atom.run_config": 3,
-    "atom.train": 4, "atom.run_log": 4, "atom.signals": 4, "atom.evaluate": 4,
-    "atom.generate": 4, "atom.plot": 4, "atom.guard": 4,
+    "atom.gossip": 3, "atom.profiler": 3,
+    "atom.run": 4, "atom.commands": 4,
     "atom.cli": 5, "atom": 5,
 }  # fmt: skip
 
@@ -53,6 +48,35 @@ def modules():
 
 def test_every_module_has_a_floor():
     assert [name for name, _ in modules() if floor_of(name) is None] == []
+
+
+def test_every_floor_is_a_folder():
+    """The floors are folders: each key above is a package (its own directory), and atom/'s
+    top level holds packages and at most a few modules."""
+
+    def folder(name):
+        parts = name.split(".")[1:]  # profiler/ installs as atom.profiler
+        return ROOT / Path(*parts) if parts[:1] == ["profiler"] else ROOT / "atom" / Path(*parts)
+
+    assert [n for n in FLOORS if not (folder(n) / "__init__.py").is_file()] == []
+    assert len(list((ROOT / "atom").glob("*.py"))) <= 6
+    assert len(list((ROOT / "tools").glob("*.py"))) <= 10
+
+
+def test_the_architecture_table_names_the_folders():
+    """docs/architecture.md's floor table lists, floor by floor, the folders FLOORS holds."""
+    import re
+
+    table = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        row = re.match(r"\| (\d)\. [^|]+\| (.*?) \|", line)
+        if row:
+            table[int(row.group(1))] = set(re.findall(r"`(\w+(?:/\w+)*)/`", row.group(2)))
+    wanted = {}
+    for name, floor in FLOORS.items():
+        if name != "atom":
+            wanted.setdefault(floor, set()).add(name.removeprefix("atom.").replace(".", "/"))
+    assert table == wanted
 
 
 def test_no_module_imports_from_a_floor_above_its_own():

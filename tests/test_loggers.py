@@ -11,7 +11,7 @@ import json
 import pytest
 
 from atom.config import ConfigError
-from atom.train import Trainer
+from atom.run.train import Trainer
 from tests.conftest import tiny_config
 
 
@@ -29,7 +29,7 @@ def test_csv_has_a_row_per_step_and_resume_keeps_only_the_checkpointed_ones(tmp_
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5]
     assert [float(r["loss"]) for r in rows] == [r["loss"] for r in _jsonl(run)]
     assert rows[2]["val_loss"] and not rows[1]["val_loss"]
-    from atom.checkpoint import list_checkpoints
+    from atom.store.checkpoint import list_checkpoints
 
     first = list_checkpoints(run)[0]  # resume from step 3: rows 4 and 5 are redone
     Trainer(cfg, run, resume=first, progress=False).run()
@@ -59,7 +59,7 @@ def test_a_logger_asked_for_but_not_installed_is_one_clear_line(tmp_path, monkey
     """Refused before the engine is built (weights loaded, peers joined): nothing to undo."""
     import sys
 
-    import atom.train as train
+    import atom.run.train as train
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it raises ImportError
     built = []

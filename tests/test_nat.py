@@ -1,6 +1,6 @@
 """Peers behind a real NAT (issue 29): `atom train` processes in network namespaces, some
 behind a router namespace that masquerades their traffic with nftables and forwards no
-port (tools/netshape ``nat``). Inbound connections to them really fail, as at home.
+port (tools/net/shape ``nat``). Inbound connections to them really fail, as at home.
 
 Skipped without root, `ip netns` or nft (the reason says which).
 """
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests import gossip_util as gu
-from tools.netshape import NetShape, nat_available, wire_available
+from tools.net.shape import NetShape, nat_available, wire_available
 
 REASON = nat_available()
 pytestmark = [
@@ -116,10 +116,10 @@ def test_joining_a_peer_behind_nat_fails_in_one_line_that_says_what_to_do(keyed)
 
 @pytest.mark.skipif(wire_available() is not None, reason=f"no wire: {wire_available()}")
 def test_a_peer_over_a_far_link_joins_and_mixes(keyed):
-    """A 400 ms round trip (tools/netwire): a new connection's handshakes (TCP, ZMTP,
+    """A 400 ms round trip (tools/net/wire): a new connection's handshakes (TCP, ZMTP,
     CURVE) take about five of them, two seconds, longer than a heartbeat's ping waits.
     Each timed-out ping used to close the half-made connection and start again, so the
-    far peer never reached anyone and gave up joining (found by tools/bench_wan)."""
+    far peer never reached anyone and gave up joining (found by tools/bench/wan)."""
     home, shards, union = keyed
     runs = [home / "p0", home / "p1"]
     # this tiny model makes ~60 steps a second from a fresh init: in the ~4 s before the

@@ -1,4 +1,4 @@
-"""tools/netshape: namespaces come up shaped and connected, and always go away.
+"""tools/net/shape: namespaces come up shaped and connected, and always go away.
 
 Tests that make namespaces are skipped with the reason `available()` gives (not root,
 no `ip netns`, tc missing); the link-matrix checks run everywhere.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import netshape
-from tools.netshape import NetShape, available, list_namespaces, measure_mbps, rate_matrix
+from tools.net import shape as netshape
+from tools.net.shape import NetShape, available, list_namespaces, measure_mbps, rate_matrix
 
 REASON = available()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"cannot make namespaces: {REASON}")
@@ -68,7 +68,7 @@ def test_teardown_on_exception_and_set_rates():
 
 CHILD = """
 import sys, time
-from tools.netshape import NetShape
+from tools.net.shape import NetShape
 with NetShape(2, 50, tag=sys.argv[1]) as net:
     net.popen(0, [sys.executable, "-c", "import time; time.sleep(120)"])
     print(" ".join(net.nodes + [net.hub]), flush=True)

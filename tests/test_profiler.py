@@ -381,7 +381,7 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
 def test_train_refusal_names_compact_state_when_it_would_fit(monkeypatch):
     from types import SimpleNamespace
 
-    import atom.train as train
+    import atom.run.train as train
 
     cfg = tiny_config()  # bf16 on the bus, as on a GPU: compact's master is that copy
     fp32 = ModelAnalysis.of(cfg).host_bytes(torch.bfloat16, "fp32")
@@ -401,7 +401,7 @@ def test_train_counts_the_outer_optimizers_state_with_peers(monkeypatch):
     plain averaging and training alone need none."""
     from types import SimpleNamespace
 
-    import atom.train as train
+    import atom.run.train as train
 
     cfg = tiny_config()
     alone = train.host_bytes_needed(cfg, torch.float32)[1]
@@ -425,7 +425,7 @@ def test_train_refusal_is_about_ram_whatever_else_the_config_rules_out(monkeypat
     skipped, not raised in place of the RAM message."""
     from types import SimpleNamespace
 
-    import atom.train as train
+    import atom.run.train as train
 
     cfg = tiny_config(train={"optimizer": "deepspeed"})
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1024))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from atom.run_dir import continue_from, run_of
+from atom.store.run_dir import continue_from, run_of
 from tests.test_cli import run_cli
 
 STEPS = 4
@@ -75,7 +75,7 @@ def test_resuming_an_older_checkpoint_sets_the_newer_aside_and_says_so(finished,
     way (kept), so the run's newest checkpoint is what this run saves, and a later --resume
     continues this run, not the abandoned one."""
     older = finished / "checkpoints" / "step_00000002"
-    with caplog.at_level(logging.WARNING, logger="atom.run_dir"):
+    with caplog.at_level(logging.WARNING, logger="atom.store.run_dir"):
         code, out, err = run_cli(capsys, "train", "--resume", str(older), "--max-steps", "3",
                                  "--no-progress")  # fmt: skip
     assert code == 0, err
@@ -133,8 +133,8 @@ def test_missing_data_is_said_before_a_taken_run_directory(finished, capsys):
 def test_a_run_directory_is_claimed_by_one_process_at_a_time(tmp_path):
     """The claim names its holder, and a directory it created and nothing else wrote (a
     refused or failed command) is gone with it."""
-    from atom.errors import ConfigError
-    from atom.run_dir import claim
+    from atom.ground.errors import ConfigError
+    from atom.store.run_dir import claim
 
     run = tmp_path / "runs" / "busy"
     with claim(run):
@@ -190,7 +190,7 @@ def test_two_trainings_on_one_run_directory(tmp_path, text_dataset, capsys):
 
 
 def test_an_export_into_a_run_being_trained_is_refused(finished, capsys):
-    from atom.run_dir import claim
+    from atom.store.run_dir import claim
 
     with claim(finished):  # as a training there holds it
         code, _, err = run_cli(capsys, "export", str(finished), "--hf", str(finished / "hf"))

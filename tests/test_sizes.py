@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from atom.config import ConfigError
-from atom.sizes import parse_bytes
+from atom.ground.sizes import parse_bytes
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The soak (tools/soak.py) in its short form, as CI runs it: a 5-peer group for two
+"""The soak (tools/net/soak.py) in its short form, as CI runs it: a 5-peer group for two
 minutes through one fault of every kind this machine can do (kills and restarts, a clean
 stop, a pause, a full disk, a partition, a slow and a flapping link, a late joiner, a
 peer leaving), every invariant holding. The hour-long run's report is in
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tools import soak_faults
+from tools.net import soak_faults
 
 
 def test_the_schedule_replays_and_has_every_kind():
@@ -38,7 +38,7 @@ def test_without_namespaces_the_network_faults_are_left_out():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_two_minute_soak_holds_every_invariant(tmp_path):
-    from tools.soak import main
+    from tools.net.soak import main
 
     code = main(["--minutes", "2", "--seed", "1", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "summary.json").read_text())

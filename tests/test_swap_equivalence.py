@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atom.optim import lr_at
-from atom.resident import ResidentEngine
+from atom.resident.engine import ResidentEngine
 from atom.swap.backend import CpuBackend, Transfer
 from atom.swap.engine import SwapEngine
 from tests.conftest import tiny_config

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from atom.threads import start_helper
+from atom.ground.threads import start_helper
 
 
 def _parallel_op() -> None:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from atom.run_log import RecentRate
-from atom.train import Trainer
+from atom.run.run_log import RecentRate
+from atom.run.train import Trainer
 from tests.conftest import tiny_config
 
 
@@ -48,7 +48,7 @@ def test_the_summary_rate_is_tokens_over_wall_time(monkeypatch, tmp_path, text_d
 def test_the_terminal_rate_is_smoothed_over_wall_time(monkeypatch, tmp_path, caplog):
     """Three steps of a second each, then one of 10 ms: the log line says ~1.3x the
     slow steps' rate (tokens over the window's wall time), not the last step's 100x."""
-    from atom import run_log
+    from atom.run import run_log
 
     clock = [0.0]
     monkeypatch.setattr(run_log.time, "perf_counter", lambda: clock[0])
@@ -64,7 +64,7 @@ def test_the_terminal_rate_is_smoothed_over_wall_time(monkeypatch, tmp_path, cap
     clock[0] = 0.0
     log = run_log.RunLog(tmp_path, 0, 2, False, [], 1, tokens_per_step=100)
     record = {"lr": 1e-3, "device_peak_bytes": 0, "step_time_s": 1.0}
-    with caplog.at_level(logging.INFO, logger="atom.run_log"):
+    with caplog.at_level(logging.INFO, logger="atom.run.run_log"):
         clock[0] = 1.0
         log.step({**record, "step": 1, "loss": 2.0, "tokens_per_s": 100.0}, {})
         clock[0] = 1.01
@@ -76,13 +76,13 @@ def test_the_terminal_rate_is_smoothed_over_wall_time(monkeypatch, tmp_path, cap
 def test_log_lines_without_a_terminal_say_elapsed_time_and_eta(monkeypatch, tmp_path, caplog):
     """issue 42: with no terminal (no bar) the log lines had no elapsed time or ETA. Steps
     a second apart, 10 planned: at step 2, 2 s in, 8 steps left at the window's rate."""
-    from atom import run_log
+    from atom.run import run_log
 
     clock = [0.0]
     monkeypatch.setattr(run_log.time, "perf_counter", lambda: clock[0])
     log = run_log.RunLog(tmp_path, 0, 10, False, [], 2, tokens_per_step=100)
     record = {"lr": 1e-3, "device_peak_bytes": 0, "step_time_s": 1.0, "loss": 2.0}
-    with caplog.at_level(logging.INFO, logger="atom.run_log"):
+    with caplog.at_level(logging.INFO, logger="atom.run.run_log"):
         for step in (1, 2):
             clock[0] = float(step)
             log.step({**record, "step": step, "tokens_per_s": 100.0}, {})

@@ -1,5 +1,5 @@
-"""tools/torchtune_baseline: the optimizer stepped inside the backward is the same AdamW as
-a plain loop's, and no set of gradients outlives the backward."""
+"""tools/baselines/torchtune_baseline: the optimizer stepped inside the backward is the same
+AdamW as a plain loop's, and no set of gradients outlives the backward."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from tests.conftest import tiny_config
 from tests.test_swap_equivalence import rel_err
-from tools import torchtune_baseline as tt
+from tools.baselines import torchtune_baseline as tt
 
 
 def test_optimizer_in_backward_equals_a_plain_adamw_loop():

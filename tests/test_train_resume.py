@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from atom.checkpoint import find_latest, load_checkpoint
 from atom.config import load_config
-from atom.train import Trainer
+from atom.run.train import Trainer
+from atom.store.checkpoint import find_latest, load_checkpoint
 from tests.conftest import tiny_config
 
 
@@ -146,7 +146,7 @@ def test_ctrl_c_during_a_checkpoint_save(tmp_path, text_dataset, monkeypatch, pr
     import os
     import signal
 
-    import atom.checkpoint as checkpoint
+    import atom.store.checkpoint as checkpoint
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default here (a background job ignores it)")
@@ -264,9 +264,9 @@ def test_a_second_ctrl_c_after_a_step_saves_it_under_its_own_label(
     import time as real_time
     from types import SimpleNamespace
 
-    import atom.train
-    from atom.guard import LossWatch
-    from atom.run_log import RunLog
+    import atom.run.train
+    from atom.run.guard import LossWatch
+    from atom.run.run_log import RunLog
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default here (a background job ignores it)")
@@ -298,7 +298,7 @@ def test_a_second_ctrl_c_after_a_step_saves_it_under_its_own_label(
     engine.train_step = train_step
     clock = SimpleNamespace(perf_counter=hooked("perf_counter", real_time.perf_counter),
                             monotonic=real_time.monotonic, sleep=real_time.sleep)  # fmt: skip
-    monkeypatch.setattr(atom.train, "time", clock)
+    monkeypatch.setattr(atom.run.train, "time", clock)
     monkeypatch.setattr(Trainer, "_record", hooked("record", Trainer._record))
     monkeypatch.setattr(LossWatch, "see", hooked("guard", LossWatch.see))
     monkeypatch.setattr(Trainer, "evaluate", hooked("evaluate", Trainer.evaluate))
@@ -373,18 +373,18 @@ def test_a_step_of_minutes_is_said_before_it_starts(tmp_path, text_dataset, monk
     this device's measured matmul rate), and a quick one does not."""
     import logging
 
-    import atom.train as train
+    import atom.run.train as train
 
     cfg = tiny_config(train={"max_steps": 1, "data": str(text_dataset)})
     quick = Trainer(cfg, tmp_path / "a", progress=False)
     assert quick.estimated_step_s() < 1
-    with caplog.at_level(logging.WARNING, logger="atom.train"):
+    with caplog.at_level(logging.WARNING, logger="atom.run.train"):
         quick.run()
     assert "each step will take" not in caplog.text
     monkeypatch.setattr(train, "_matmul_flops", lambda device, dtype: 1e3)  # a slow machine
     slow = Trainer(cfg, tmp_path / "b", progress=False)
     assert slow.estimated_step_s() > 60
-    with caplog.at_level(logging.WARNING, logger="atom.train"):
+    with caplog.at_level(logging.WARNING, logger="atom.run.train"):
         slow.run()
     assert (
         "each step will take about" in caplog.text and "Ctrl+C stops within seconds" in caplog.text
@@ -429,7 +429,7 @@ def test_a_setup_that_fails_releases_what_it_built(tmp_path, text_dataset, monke
     """Joining peers failed after the engine was built: the engine (its pinned memory, its
     threads) was left for the garbage collector; every resource is now released on one
     path, whatever fails."""
-    import atom.train as train
+    import atom.run.train as train
     from atom.gossip.averager import GossipError
 
     closed, real = [], train.build_engine
@@ -461,7 +461,7 @@ def test_ctrl_c_before_the_first_step_releases_everything(tmp_path, text_dataset
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("atom.train.RunLog", interrupted)
+    monkeypatch.setattr("atom.run.train.RunLog", interrupted)
     with pytest.raises(KeyboardInterrupt):
         trainer.run()
     assert closed

@@ -18,7 +18,7 @@ import torch
 
 from atom.model import build_model
 from atom.optim import lr_at
-from atom.resident import ResidentEngine
+from atom.resident.engine import ResidentEngine
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
 from atom.swap.units import ALIGN, partition

@@ -1,4 +1,12 @@
-"""Benchmarks and checks that run from a checkout (`python -m tools.NAME`)."""
+"""What runs from a checkout (`python -m tools.NAME`), by purpose:
+
+- `bench/`: benchmarks, each side by side in its own processes (docs/benchmarks.md)
+- `gpu_check` and `gpu/`: the GPU self-check, one command on a CUDA machine
+- `net/`: kernel-shaped networks between namespaces, a lossy user-space wire, the fault soak
+- `baselines/`: what users run today (torchtune, DeepSpeed, DDP, GPipe) on atom's model
+- here: `doc_transcripts` (the docs' transcripts, checked or rewritten), `config_reference`
+  (docs/config.md), `hardware_table` (the README's table), `jsonl` (reading run logs)
+"""
 
 from __future__ import annotations
 

@@ -50,9 +50,9 @@ import time
 import traceback
 from pathlib import Path
 
-from tools.gpu_compile import compile_section
-from tools.gpu_proc import DEADLINE_ENV, ROOT, SkipSection, run_child, seconds_left
-from tools.gpu_sections import (
+from tools.gpu.compile import compile_section
+from tools.gpu.proc import DEADLINE_ENV, ROOT, SkipSection, run_child, seconds_left
+from tools.gpu.sections import (
     attention_section,
     bandwidth_section,
     big_section,
@@ -64,7 +64,7 @@ from tools.gpu_sections import (
     tiers_section,
     torchtune_section,
 )
-from tools.gpu_steps import train_child
+from tools.gpu.steps import train_child
 
 
 class Report:

@@ -21,8 +21,8 @@ from atom.cli import peers as gossip_commands
 from atom.cli import simulate as simulate_command
 from atom.cli.train_command import cmd_train
 from atom.config import config_names
-from atom.errors import AtomError, ConfigError, DataError
-from atom.run_config import load_run_config
+from atom.ground.errors import AtomError, ConfigError, DataError
+from atom.run.run_config import load_run_config
 
 USER_ERRORS = (AtomError,)
 
@@ -306,7 +306,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from atom.data import prepare
+    from atom.data.tokens import prepare
 
     if not 0 < args.val_fraction < 1:
         raise DataError("--val-fraction must be between 0 and 1")
@@ -327,7 +327,7 @@ def cmd_prepare(args) -> int:
 
 def cmd_export(args) -> int:
     from atom.hf import export_hf
-    from atom.run_dir import claim, enclosing_run
+    from atom.store.run_dir import claim, enclosing_run
 
     # an export into a run directory writes it: not while a training there does
     inside = enclosing_run(Path(args.hf).absolute())
@@ -342,7 +342,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from atom.evaluate import evaluate_run
+    from atom.commands.evaluate import evaluate_run
 
     if args.batch is not None and args.batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {args.batch}")
@@ -355,7 +355,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from atom.plot import plot_runs
+    from atom.commands.plot import plot_runs
 
     path = plot_runs([Path(r) for r in args.runs], Path(args.out) if args.out else None, args.x)
     print(f"atom: wrote {path}")
@@ -363,7 +363,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from atom.generate import generate
+    from atom.commands.generate import generate
 
     if args.tokens < 1:
         raise ConfigError(f"--tokens must be >= 1, got {args.tokens}")

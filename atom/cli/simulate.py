@@ -10,7 +10,7 @@ synchronous data parallel for a group you describe, before buying or wiring anyt
 
 --hardware takes a preset (rtx2080ti, rtx3060, rtx4060ti, rtx4070, rtx3090, rtx4090,
 rtx5090, h200; block times from FLOPs), a HardwareSpec JSON, `measured` (this machine, as
-`atom profile` measures it; cached), or a profile.json written by tools/bench_vs_pipeline.py.
+`atom profile` measures it; cached), or a profile.json written by tools/bench/vs_pipeline.py.
 The model is profiler/simulate.py; its assumptions are in that module's docstring.
 """
 
@@ -22,8 +22,8 @@ import logging
 from pathlib import Path
 
 from atom.config import Config, ConfigError
-from atom.run_config import load_run_config
-from atom.sizes import parse_bytes
+from atom.ground.sizes import parse_bytes
+from atom.run.run_config import load_run_config
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def machine(cfg: Config, spec: str, gpu_mem: int | None, host_mem: int | None, s
 
     path = Path(spec)
     if spec == "measured":
-        from atom.device import resolve_device
+        from atom.ground.device import resolve_device
 
         device, dtype = resolve_device(cfg)
         cache = timing.TimingCache(timing.cache_key(cfg, device, dtype))

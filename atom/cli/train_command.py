@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 from atom.cli import peers as gossip_commands
-from atom.errors import ConfigError
-from atom.run_config import load_run_config, resume_changes, resume_run_config
+from atom.ground.errors import ConfigError
+from atom.run.run_config import load_run_config, resume_changes, resume_run_config
 
 
 def _terminate_like_ctrl_c(signum, frame) -> None:
@@ -35,9 +35,9 @@ def resolve_run(args):
     """What `atom train` will do, before anything slow: the config (saved in the resumed
     run, or loaded, with --set, --max-steps and the plan on top), the plan, and the run
     directory. Each refusal is one line, the data's first (the commonest slip)."""
-    from atom import run_dir  # torch: loaded only once a command needs it
-    from atom.data import TokenData
-    from atom.train import data_dir_for
+    from atom.data.tokens import TokenData
+    from atom.run.train import data_dir_for
+    from atom.store import run_dir  # torch: loaded only once a command needs it
 
     overrides = args.overrides + gossip_commands.train_overrides(args)
     if args.max_steps is not None and args.max_steps < 1:
@@ -49,7 +49,7 @@ def resolve_run(args):
                 "--resume continues with the config saved in the run: drop --config/--model "
                 "(change how it trains with --set train.KEY=VALUE)"
             )
-        from atom.checkpoint import load_checkpoint
+        from atom.store.checkpoint import load_checkpoint
 
         resumed = load_checkpoint(Path(args.resume), verify=False, fall_back=False)
     saved = resumed.meta.get("config") if resumed is not None else None
@@ -95,13 +95,13 @@ def resolve_run(args):
 
 def cmd_train(args) -> int:
     cfg, plan, claim = resolve_run(args)
-    with claim:  # one process writes a run directory at a time (atom/run_dir.py RunLock)
+    with claim:  # one process writes a run directory at a time (atom/store/run_dir.py RunLock)
         return _train(args, cfg, plan, claim.path)
 
 
 def _train(args, cfg, plan, out: Path) -> int:
-    from atom.run_config import host_bytes_needed
-    from atom.train import Trainer
+    from atom.run.run_config import host_bytes_needed
+    from atom.run.train import Trainer
 
     trainer = Trainer(
         cfg,
@@ -139,7 +139,7 @@ def _train(args, cfg, plan, out: Path) -> int:
         if saved is not None:
             print(f"atom: interrupted; checkpoint saved: {saved}")
         else:
-            from atom.checkpoint import list_checkpoints
+            from atom.store.checkpoint import list_checkpoints
 
             kept = list_checkpoints(out)
             print(

@@ -19,7 +19,7 @@ import yaml
 
 from atom.config.choices import check_choices, choices_of
 from atom.config.gossip import GossipConfig
-from atom.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here too)
+from atom.ground.errors import ConfigError  # noqa: F401  (re-exported: callers import it from here too)
 
 # configs/ at the top of a checkout; installed (pip install ., a wheel) it is atom/configs
 _HERE = Path(__file__).resolve()
@@ -27,7 +27,7 @@ CONFIG_DIR = next(
     (d for d in (_HERE.parents[2] / "configs", _HERE.parents[1] / "configs") if d.is_dir()),
     _HERE.parents[2] / "configs",
 )
-LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")  # train.logger (atom/loggers.py)
+LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")  # train.logger (atom/run/loggers.py)
 
 
 @dataclass
@@ -150,10 +150,10 @@ class TrainConfig:
     ckpt_interval: int = 100
     keep_checkpoints: int = 3
     data: str = "default"  # "default" (stdlib corpus, no download) or a dir made by `atom prepare`
-    # metrics besides metrics.jsonl: comma-separated csv, tensorboard, wandb (atom/loggers.py)
+    # metrics besides metrics.jsonl: comma-separated csv, tensorboard, wandb (atom/run/loggers.py)
     logger: str = "jsonl"
     # a weight beyond this (or not finite) means the run diverged or was poisoned: it stops,
-    # and no checkpoint is written with it (atom/guard.py)
+    # and no checkpoint is written with it (atom/run/guard.py)
     max_abs_weight: float = 1e6
 
     def __post_init__(self) -> None:
@@ -472,7 +472,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 def names_hf_model(section: Any) -> bool:
     """`model: hf:PATH`, or a model mapping with init_from: a Hugging Face checkpoint whose
-    config.json fills the section (atom.run_config expands it, above this floor)."""
+    config.json fills the section (atom.run.run_config expands it, above this floor)."""
     return isinstance(section, str) or (
         isinstance(section, dict) and bool(section.get("init_from"))
     )
@@ -480,11 +480,11 @@ def names_hf_model(section: Any) -> bool:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """A config from a file (or configs/ name) and --set overrides. One that names a Hugging
-    Face model is refused here: atom.run_config.load_run_config reads that checkpoint."""
+    Face model is refused here: atom.run.run_config.load_run_config reads that checkpoint."""
     data = read_config_file(path) if path is not None else {}
     if names_hf_model(data.get("model")):
         raise ConfigError(
-            f"{path} names a Hugging Face model; load it with atom.run_config.load_run_config "
+            f"{path} names a Hugging Face model; load it with atom.run.run_config.load_run_config "
             "(as atom train and atom profile do)"
         )
     return Config.from_dict(apply_overrides(data, overrides or []))

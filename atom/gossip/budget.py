@@ -30,7 +30,7 @@ The alarm is the backstop for what gets past the bounds (a partner we chose that
 within them, for long): a unit whose norm fell below 1/COLLAPSE of what it was within
 ALARM_PERIODS periods, while gossip moved it by at least ALARM_MOVE of its norm there
 (so it was gossip's doing: a zeroed unit), makes the trainer roll back to its newest
-checkpoint and stop mixing with every peer merged since (atom/train.py, as for
+checkpoint and stop mixing with every peer merged since (atom/run/train.py, as for
 non-finite weights). Only a collapse: honest training grows a unit's norm 2.4x within
 eight periods (three tiny peers on disjoint shards, with their outer steps moving each
 unit 0.76 of its norm), and weights blown up are the guard's (train.max_abs_weight).

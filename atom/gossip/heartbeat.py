@@ -277,7 +277,7 @@ class Membership:
         at most GOODBYE_UNREACHED of those it has not (one connection attempt each, those
         that exchanged with us first, then the most recently heard: a peer that joined a
         moment ago): every name an attacker pinged us in is alive, and a goodbye to each
-        was 187 dials on its word at one peer's end (tools/bench_attacks.py dialer);
+        was 187 dials on its word at one peer's end (tools/bench/attacks.py dialer);
         returns the ids that acknowledged."""
         alive = [p for p in self.table.alive() if p.endpoint]
         unreached = sorted(

@@ -1,11 +1,11 @@
 """What a completed exchange does to a unit's fp32 master weights.
 
 UnitParams is all the averager has of the model: the engine's shared units
-(atom.engine_protocol.SharedUnit, from `Engine.shared_units()`; gossip never sees an engine), per
-unit a snapshot (a copy taken under the unit's lock) and `add` (master += delta under the
-lock; the copy that crosses the bus and any tied alias follow). The host optimizer and
-the H2D copy thread take the same lock, so a merge lands between two optimizer updates of
-the unit and never under a copy in flight.
+(atom.ground.engine_protocol.SharedUnit, from `Engine.shared_units()`; gossip never sees an
+engine), per unit a snapshot (a copy taken under the unit's lock) and `add` (master +=
+delta under the lock; the copy that crosses the bus and any tied alias follow). The host
+optimizer and the H2D copy thread take the same lock, so a merge lands between two
+optimizer updates of the unit and never under a copy in flight.
 
 Both strategies are *delta-preserving*: the change is computed against the snapshot we
 sent, and added to whatever master holds by then, so optimizer steps taken while the
@@ -42,9 +42,9 @@ from collections.abc import Callable
 
 import torch
 
-from atom.engine_protocol import SharedUnit
 from atom.gossip.net.wire import fingerprint
 from atom.gossip.robust import FIRST_SCALE
+from atom.ground.engine_protocol import SharedUnit
 
 MIN_INTERVAL_S = 0.01  # plain averaging's period, per unit, however small interval_s is
 

@@ -28,7 +28,6 @@ import zmq
 
 from atom.config import Config, ConfigError
 from atom.config.gossip import GossipConfig, endpoint_host, is_loopback, parse_rates
-from atom.engine_protocol import SharedUnit
 from atom.gossip.averager import Averager, GossipError
 from atom.gossip.heartbeat import Membership, handle_control
 from atom.gossip.membership import PeerContext, PeerState, PeerTable
@@ -47,6 +46,7 @@ from atom.gossip.reach import Reachability
 from atom.gossip.robust import DiffGuard
 from atom.gossip.selection import make_selector
 from atom.gossip.status import PeerLog, write_status
+from atom.ground.engine_protocol import SharedUnit
 
 log = logging.getLogger(__name__)
 SUMMARY_EVERY_S = 60.0  # a one-line view of the group in the log (atom peers has the table)
@@ -463,7 +463,7 @@ class GossipPeer:
 
     def take_alarm(self) -> str | None:
         """Once: a unit gossip collapsed or blew up lately (atom/gossip/budget.py); the
-        trainer rolls back on it (atom/guard.py gossip_alarm)."""
+        trainer rolls back on it (atom/run/guard.py gossip_alarm)."""
         return self.averager.budget.take_alarm()
 
     def close(self, goodbye: bool = True) -> None:

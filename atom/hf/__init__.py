@@ -10,7 +10,7 @@ Out (:mod:`atom.hf.export`): ``atom export RUN_DIR --hf OUT`` writes config.json
 shards with an index and the tokenizer files, in the source checkpoint's dtype (or the one
 asked for).
 
-Text (:mod:`atom.text`, re-exported here): JSONL records (text, instruction, chat) for
+Text (:mod:`atom.text.records`, re-exported here): JSONL records (text, instruction, chat) for
 ``atom prepare`` and the tokenizer of a checkpoint directory.
 
 transformers is never imported; nothing touches the network. Import from here
@@ -19,7 +19,7 @@ transformers is never imported; nothing touches the network. Import from here
 
 from __future__ import annotations
 
-from atom.device import DTYPES
+from atom.ground.device import DTYPES
 from atom.hf.export import ExportSummary, export_hf
 from atom.hf.source import (
     DEFAULT_MAX_SEQ,
@@ -34,7 +34,7 @@ from atom.hf.source import (
     model_bytes,
     name_map,
 )
-from atom.text import (
+from atom.text.records import (
     TOKENIZER_FILES,
     eos_token_id,
     jsonl_chunks,

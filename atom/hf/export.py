@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from atom.config import Config, ConfigError, ModelConfig
-from atom.device import DTYPES
+from atom.ground.device import DTYPES
+from atom.ground.sizes import parse_bytes
 from atom.hf.source import _HF_DTYPES, HFSource, name_map
-from atom.sizes import parse_bytes
-from atom.text import TOKENIZER_FILES
+from atom.text.records import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def export_hf(
     """Write the newest valid checkpoint under `run` as a Hugging Face model directory."""
     from safetensors.torch import save_file
 
-    from atom.checkpoint import CheckpointError, load_checkpoint
+    from atom.store.checkpoint import CheckpointError, load_checkpoint
 
     limit = parse_bytes(max_shard_size, "--max-shard-size")  # "5GB" = 5 * 10**9, as transformers
     if limit < 1:

@@ -10,7 +10,7 @@ takes a memory-mapped view of that one tensor, and closes it once the engine has
 into its fp32 master, so the host never holds more than the model plus one tensor.
 
 Also here: the atom <-> Hugging Face parameter name table (:func:`name_map`, shared with
-the export) and the hooks atom.config and atom.train call (:func:`expand_model_section`,
+the export) and the hooks atom.config and atom.run.train call (:func:`expand_model_section`,
 :func:`check_config`, :func:`load_weights`).
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from atom.config import Config, ConfigError, ModelConfig
-from atom.errors import DataError
+from atom.ground.errors import DataError
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ CompactAdamW's eager update makes ~45 passes of torch ops over each chunk (decod
 moments, AdamW, the remainder split, encode two moments), each one a trip through memory. Written as
 two expressions (the moments and the master; the moments' encoding) and compiled by
 torch.compile (Inductor's C++ code generation), the same arithmetic is a few vectorised
-loops: `python -m tools.bench_host_update` measures both.
+loops: `python -m tools.bench.host_update` measures both.
 
 What it is not: bit-equal to the eager update. An fp32 value summed in another order can
 round to the neighbouring float8 code of a moment, or to the neighbouring fp32 master.
@@ -73,7 +73,7 @@ class CompiledChunkUpdate:
     moments (8 MiB). Two compiled loops, not one: in one, Inductor recomputed the decoded
     moments and AdamW for each pass the encoding makes over a block (its maximum, then the
     codes), and the update ran 1.2-1.4x slower than with the moments written to scratch in
-    between (`python -m tools.bench_host_update`: 6.84 against 5.75 ns a parameter on one
+    between (`python -m tools.bench.host_update`: 6.84 against 5.75 ns a parameter on one
     core, 4.33 against 3.09 on two; docs/benchmarks.md). `__call__` returns
     False, having touched nothing, once the compile has failed: the caller updates that
     chunk eagerly."""

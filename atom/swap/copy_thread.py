@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 
-from atom.threads import start_helper
+from atom.ground.threads import start_helper
 
 log = logging.getLogger(__name__)
 

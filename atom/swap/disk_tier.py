@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from atom.errors import ConfigError
+from atom.ground.errors import ConfigError
 from atom.optim import Region
 from atom.swap.pinned import ALIGN  # a page: O_DIRECT wants aligned buffers, offsets, lengths
 from atom.swap.pinned import page_aligned as _aligned

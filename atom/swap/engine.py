@@ -29,8 +29,9 @@ from collections.abc import Callable
 import torch
 
 from atom.config import Config
-from atom.engine_protocol import StepResult
-from atom.errors import ConfigError
+from atom.ground.engine_protocol import StepResult
+from atom.ground.errors import ConfigError
+from atom.ground.threads import host_worker_threads
 from atom.model import build_model
 from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
 from atom.model.documents import micro_batch
@@ -47,7 +48,6 @@ from atom.swap.slots import DeviceSlots, Held, MemoryLedger, params_saved_by_slo
 from atom.swap.unit_optimizers import unit_optimizers
 from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
-from atom.threads import host_worker_threads
 
 log = logging.getLogger(__name__)
 

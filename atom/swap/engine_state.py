@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from atom.engine_protocol import EngineInfo, SharedUnit
+from atom.ground.engine_protocol import EngineInfo, SharedUnit
 from atom.optim import STATE_KEYS
 from atom.swap.host_store import gather_owned
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom.config import ModelConfig
-from atom.engine_protocol import SharedUnit
+from atom.ground.engine_protocol import SharedUnit
 from atom.model import init_parameter
 from atom.optim.remainder import join, split_into
 from atom.swap.backend import Backend
@@ -190,7 +190,7 @@ class HostStore:
                     other.compute[entry.offset : entry.offset + entry.numel].copy_(src)
 
     def shared_unit(self, index: int) -> SharedUnit:
-        """Unit `index` as peers see it (atom.engine_protocol.SharedUnit): fp32 read, add and
+        """Unit `index` as peers see it (atom.ground.engine_protocol.SharedUnit): fp32 read, add and
         write of its master, each under the unit's lock, the compute copy refreshed."""
         buf = self.buffers[index]
 

@@ -19,7 +19,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from atom.threads import start_helper
+from atom.ground.threads import start_helper
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Turn the runs of tools/bench_vs_pipeline.py into numbers, tables and figures.
+"""Turn the runs of tools/bench/vs_pipeline.py into numbers, tables and figures.
 
-    .venv/bin/python -m tools.bench_vs_pipeline report [--work DIR] [--docs docs]
+    .venv/bin/python -m tools.bench.vs_pipeline report [--work DIR] [--docs docs]
 
 - every snapshot (ddp, pipeline: merged stages; atom: each peer's checkpoints) is
   evaluated on one fixed validation set (16 batches of 16 sequences, data seed 0);
@@ -41,7 +41,7 @@ class Evaluator:
 
     def __init__(self, work: Path):
         from atom.config import load_config
-        from atom.data import TokenData
+        from atom.data.tokens import TokenData
         from atom.model import build_model, materialize
         from tools.baselines.settings import overrides
 
@@ -113,7 +113,7 @@ def baseline_run(ev: Evaluator, run: Path, system: str, peers: int) -> dict:
 
 
 def atom_run(ev: Evaluator, run: Path, peers: int, n_units: int) -> dict:
-    from atom.checkpoint import load_checkpoint
+    from atom.store.checkpoint import load_checkpoint
 
     per_peer, rates, taus, exchanges, sent = [], [], [], [], []
     tokens_per_step = ev.cfg.train.micro_batch * ev.cfg.model.seq_len

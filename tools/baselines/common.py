@@ -1,7 +1,7 @@
 """What the baseline trainers share: arguments, the process group, the model and optimizer
 atom would build, a stop/snapshot signal from rank 0, and the run record.
 
-Each baseline runs one process per rank, started by tools/bench_vs_pipeline.py inside its
+Each baseline runs one process per rank, started by tools/bench/vs_pipeline.py inside its
 own network namespace (or by hand on loopback):
 
     python -m tools.baselines.ddp --rank R --world 4 --master 127.0.0.1:29500 \
@@ -79,7 +79,7 @@ def setup(args: argparse.Namespace) -> Config:
 
 
 def data_dir(args: argparse.Namespace, cfg: Config) -> Path:
-    from atom.train import data_dir_for
+    from atom.run.train import data_dir_for
 
     return Path(args.data) if args.data else data_dir_for(cfg)
 

@@ -6,7 +6,7 @@
 Every rank holds the whole model, draws its own batch of train.micro_batch sequences
 (data seed train.seed + rank), and all-reduces gradients (DDP's buckets overlap the
 backward) before an identical AdamW step: sync SGD at world x micro_batch sequences per
-step. Started four at a time by tools/bench_vs_pipeline.py, one per network namespace.
+step. Started four at a time by tools/bench/vs_pipeline.py, one per network namespace.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from atom.data import TokenData
+from atom.data.tokens import TokenData
 from tools.baselines import common
 
 log = logging.getLogger(__name__)

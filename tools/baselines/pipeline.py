@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from atom.config import Config
-from atom.data import TokenData
+from atom.data.tokens import TokenData
 from atom.model import LanguageModel, lm_loss
 from tools.baselines import common
 

@@ -1,7 +1,7 @@
-"""Report of tools/bench_vs_pipeline.py: the measured table, the simulator's prediction of
+"""Report of tools/bench/vs_pipeline.py: the measured table, the simulator's prediction of
 the same runs with its error, atom's measured convergence per token, and the figures.
 
-    .venv/bin/python -m tools.bench_vs_pipeline report --work runs/bench_vs_pipeline
+    .venv/bin/python -m tools.bench.vs_pipeline report --work runs/bench_vs_pipeline
 
 Writes WORK/report.json, WORK/report.md (the tables docs/benchmarks.md quotes) and
 DOCS/bench_vs_pipeline_loss.png, DOCS/bench_vs_pipeline_throughput.png.

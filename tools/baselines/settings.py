@@ -1,4 +1,4 @@
-"""The shared settings of tools/bench_vs_pipeline.py's runs (model, training, atom-only
+"""The shared settings of tools/bench/vs_pipeline.py's runs (model, training, atom-only
 keys), read by the runner and by the report, so neither imports the other."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ debt: a message of n bytes reserves n tokens and its sender waits until the debt
 leaves is paid, i.e. until the message would have finished crossing a link of that rate
 behind everything sent before it. Several threads sending to one destination queue up
 behind each other as they would on a real link. Shaping is per sender, so a symmetric
-link is configured on both ends (tools/bench_gossip.py does).
+link is configured on both ends (tools/bench/gossip.py does).
 """
 
 from __future__ import annotations

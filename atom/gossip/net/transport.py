@@ -29,7 +29,6 @@ from typing import Any
 
 import zmq
 
-from atom.errors import ConfigError
 from atom.gossip.net.counters import Counters, LogLimiter
 from atom.gossip.net.gate import GATE_MS, HANDSHAKE_S, ConnectionGate
 from atom.gossip.net.handshake import FAILED as HANDSHAKE_FAILED
@@ -48,6 +47,7 @@ from atom.gossip.net.wire import (
     pack,
     parse_header,
 )
+from atom.ground.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Floor 4, the other commands: `atom eval` (evaluate), `atom generate`, `atom plot`."""
