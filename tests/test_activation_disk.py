@@ -118,3 +118,31 @@ def test_bad_puts_and_directories_say_what_is_wrong(tmp_path):
             disk.put((1, 0), torch.zeros(3))
     finally:
         disk.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_on_cuda_streams_every_copy_is_ordered(tmp_path, monkeypatch, delay):
+    """Over the fake torch.cuda (tests/fake_cuda.py): the writer waits for the copy into its
+    slot before writing it (with copies that land late, an unordered write puts 0xFF bytes
+    on disk: this test fails without that wait), the race detector finds nothing, and what
+    comes back equals what went out. (The reader's wait before refilling a slot that a copy
+    to the device still reads is invisible here: the refill is a syscall, not a torch op.)"""
+    from tests.fake_cuda import install
+
+    sim = install(monkeypatch)
+    sim.copy_delay_s = delay
+    keys = _step_keys(4, 2)
+    disk = ActivationDisk(tmp_path, keys, SHAPE, torch.float32, n_slots=2, streams=True)
+    try:
+        want = _inputs(keys, torch.float32)
+        with sim.watch():
+            on_device = {k: sim.device_tensor(v.clone()) for k, v in want.items()}
+            for k in keys:
+                disk.put(k, on_device[k])
+            got = {k: disk.get(k) for k in reversed(keys)}
+            torch.cuda.synchronize()
+        assert sim.violations == []
+        for k in keys:
+            assert torch.equal(got[k], want[k]), k
+    finally:
+        disk.close()

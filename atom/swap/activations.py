@@ -26,6 +26,7 @@ import queue
 import shutil
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 
 from atom.ground.errors import ConfigError
 from atom.swap.disk_tier import PREFIX, _remove_stale
-from atom.swap.pinned import page_aligned
+from atom.swap.pinned import ALIGN, page_aligned
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,16 @@ class ActivationDisk:
         shape: tuple[int, ...],
         dtype: torch.dtype,
         n_slots: int = 4,
+        alloc: Callable[[list[tuple[int, torch.dtype]]], list[torch.Tensor]] | None = None,
+        device: torch.device | str = "cpu",
+        streams: bool | None = None,
     ):
+        """alloc: the backend's `alloc_host_many` (pinned slots on CUDA, so copies to and
+        from the device run asynchronously); None: ordinary page-aligned memory. device:
+        where `get` puts what it reads. streams (default: a CUDA device): copies are issued
+        on the current stream without waiting, and ordered with the I/O threads by events."""
+        self.device = torch.device(device)
+        self.streams = self.device.type == "cuda" if streams is None else streams
         root = Path(directory).expanduser()
         if not root.is_dir():
             raise ConfigError(
@@ -76,9 +86,16 @@ class ActivationDisk:
         self.dir.mkdir()
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.direct, self._fd = _open_preallocated(self.dir / "inputs.bin", total)
-        # anonymous mmaps: page-aligned, as O_DIRECT wants
-        self._mem = [mmap.mmap(-1, self.stride) for _ in range(n_slots)]
-        self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._mem]
+        if alloc is None:  # anonymous mmaps: page-aligned, as O_DIRECT wants
+            self._mem = [mmap.mmap(-1, self.stride) for _ in range(n_slots)]
+            self._bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._mem]
+        else:
+            self._bytes = alloc([(self.stride, torch.uint8)] * n_slots)
+            self._mem = [b.numpy() for b in self._bytes]
+            if self.direct and any(b.data_ptr() % ALIGN for b in self._bytes):
+                # a pinned fallback buffer off a page boundary: O_DIRECT would refuse it
+                os.close(self._fd)
+                self.direct, self._fd = False, os.open(self.dir / "inputs.bin", os.O_RDWR)
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(n_slots):
             self._free.put(i)
@@ -159,9 +176,9 @@ class ActivationDisk:
         slot = self._take_slot()
         flat = self._bytes[slot][: self.nbytes]
         copied = None
-        if t.is_cuda:
+        if self.streams:
             flat.view(self.dtype).view(self.shape).copy_(t, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=True)  # the writer waits on it: no spinning
             copied.record()
         else:
             flat.view(self.dtype).view(self.shape).copy_(t)
@@ -173,20 +190,20 @@ class ActivationDisk:
             if key not in self._reads:
                 self._reads[key] = self._reader.submit(self._read, key)
 
-    def get(self, key: Key, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The tensor `put` under key, on `device`; its slot is free for the next read."""
+    def get(self, key: Key) -> torch.Tensor:
+        """The tensor `put` under key, on the device; its slot is free for the next read."""
         self.prefetch(key)
         with self._lock:
             future = self._reads.pop(key)
         slot = future.result()
         host = self._bytes[slot][: self.nbytes].view(self.dtype).view(self.shape)
-        if torch.device(device).type == "cuda":
-            out = host.to(device, non_blocking=True)
-            event = torch.cuda.Event()
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out.copy_(host, non_blocking=self.streams)
+        if self.streams:
+            event = torch.cuda.Event(blocking=True)
             event.record()  # the slot is read until this copy is done
             self._give_back(slot, event)
         else:
-            out = host.clone()
             self._give_back(slot, None)
         return out
 
