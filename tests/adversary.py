@@ -209,18 +209,28 @@ class ConnectionFlood:
                 sk.close()
 
 
-def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = ()) -> dict:
+KEYED = ("alice", "bob", "dave")  # honest_group's members h0, h1, h2 in a keyed group
+
+
+def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = (),
+                 keys: Path | None = None, during=None) -> dict:  # fmt: skip
     """Three honest peers (and, with `poison`, one poisoner) on loopback; their results.
-    `honest`: more `atom train` arguments for the honest peers (e.g. their guards off)."""
+    `honest`: more `atom train` arguments for the honest peers (e.g. their guards off).
+    `keys`: an `atom keygen` directory holding bundles for KEYED (h0, h1, h2 train with
+    them). `during(procs, runs)`: called once all three have started, before waiting
+    for them to finish (a bench watches them there)."""
     from tests import gossip_util as gu
 
     shards, union = gu.make_shards(root)
     runs = [root / f"h{k}" for k in range(3)]
     common = ("--set", "gossip.wait_peers=2", "--set", "train.ckpt_interval=25", *honest)
-    procs = [gu.start(gu.peer_cmd(runs[0], shards[0], steps, 1, *LISTEN, *common), root / "h0.log")]
+    key = lambda k: ("--group-key", str(keys / KEYED[k])) if keys else ()  # noqa: E731
+    first = gu.peer_cmd(runs[0], shards[0], steps, 1, *LISTEN, *common, *key(0))
+    procs = [gu.start(first, root / "h0.log")]
     ep = gu.endpoint(runs[0], procs=procs)
     for k in (1, 2):
-        cmd = gu.peer_cmd(runs[k], shards[k], steps, 1 + k, *LISTEN, "--join", ep, *common)
+        cmd = gu.peer_cmd(runs[k], shards[k], steps, 1 + k, *LISTEN, "--join", ep, *common,
+                          *key(k))  # fmt: skip
         procs.append(gu.start(cmd, root / f"h{k}.log"))
     bad = None
     if poison is not None:
@@ -230,6 +240,12 @@ def honest_group(root: Path, steps: int, poison: str | None, honest: tuple = ())
         cmd = [sys.executable, "-m", "tests.adversary", "poison", poison, "--", *train]
         bad = gu.start(cmd, root / "p.log")
     t0 = time.monotonic()
+    if during is not None:
+        try:
+            during(procs, runs)
+        except BaseException:
+            gu.stop_all(procs, timeout=0)  # nothing is left running
+            raise
     codes = gu.stop_all(procs, timeout=180)
     wall = time.monotonic() - t0
     if bad is not None:

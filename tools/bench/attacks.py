@@ -5,6 +5,7 @@
     python -m tools.bench.attacks resources [--attacks ids,pulls,endless] [--repeats 2]
     python -m tools.bench.attacks takeover [--ids 5] [--steps 150] [--repeats 2]
     python -m tools.bench.attacks dialer [--ids 5] [--steps 600] [--repeats 2]
+    python -m tools.bench.attacks impersonate [--steps 300] [--repeats 2]
 
 poison     3 honest peers on disjoint shards, trained together through gossip, with and
            without a 4th member that sends poison (POISONS) and claims an averaging
@@ -27,6 +28,10 @@ dialer     the same group, the attacker pinging the first peer every 0.1 s with 
            under ever new names, and --ids pings in invented names 'at' them: the
            connections it caused, per minute (a ping like it once made a member open
            ~1,000 a second).
+impersonate  3 keyed honest members, with and without a keyed impostor serving under
+           names it does not own (carol: allow-listed, absent; zed: no key; dave: an
+           honest member's): exchanges completed with those names, whether a member ever
+           lists them at the impostor's servers, and val loss (tools/bench/impersonate.py).
 
 Runs on loopback, each peer a child process (tests/gossip_util.py).
 """
@@ -47,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.adversary import honest_group  # noqa: E402
+from tools.bench import impersonate  # noqa: E402
 
 
 def cmd_poison(args: argparse.Namespace) -> None:
@@ -263,27 +269,39 @@ def _dialer(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
 ATTACKERS = {"takeover": _takeover, "dialer": _dialer}
 
 
-def cmd_group(args: argparse.Namespace) -> None:
-    """takeover, dialer: the honest group with and without the attacker, interleaved."""
+def interleaved(repeats: int, run) -> list[dict]:
+    """run(root, attacked) -> a result, clean then attacked, `repeats` times (each attacked
+    run beside a clean one), each in a fresh folder; each result printed as a JSON line."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
-            for attacked in (False, True):  # interleaved: each attacked run beside a clean one
-                root = Path(tmp) / f"r{r}{'t' if attacked else 'c'}"
+        for r in range(repeats):
+            for attacked in (False, True):
+                root = Path(tmp) / f"r{r}{'a' if attacked else 'c'}"
                 root.mkdir()
-                stop, out = threading.Event(), {}
-                attack = ATTACKERS[args.command]
-                thread = threading.Thread(target=attack, args=(root, args.ids, stop, out),
-                                          daemon=True)  # fmt: skip
-                if attacked:
-                    thread.start()
-                result = honest_group(root, args.steps, None)
-                stop.set()
-                if attacked:
-                    thread.join(30)
-                result.update(attacked=attacked, attack=out)
+                result = run(root, attacked)
+                result["attacked"] = attacked
                 rows.append(result)
                 print(json.dumps(result, default=str), flush=True)
+    return rows
+
+
+def cmd_group(args: argparse.Namespace) -> None:
+    """takeover, dialer: the honest group with and without the attacker, interleaved."""
+
+    def run(root: Path, attacked: bool) -> dict:
+        stop, out = threading.Event(), {}
+        attack = ATTACKERS[args.command]
+        thread = threading.Thread(target=attack, args=(root, args.ids, stop, out), daemon=True)
+        if attacked:
+            thread.start()
+        result = honest_group(root, args.steps, None)
+        stop.set()
+        if attacked:
+            thread.join(30)
+        result.update(attack=out)
+        return result
+
+    rows = interleaved(args.repeats, run)
     clean = [r for r in rows if not r["attacked"]]
     base = statistics.mean(r["mean_val_loss"] for r in clean)
     print("\n| attacker | honest val loss (mean; each) | vs none | victim's | attack |")
@@ -351,6 +369,11 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=steps)
         p.add_argument("--repeats", type=int, default=2)
         p.set_defaults(func=cmd_group)
+    p = sub.add_parser("impersonate", help="a keyed impostor serving under others' names")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--own-server", action="store_true", help="she serves as herself too")
+    p.set_defaults(func=impersonate.cmd_impersonate)
     args = parser.parse_args()
     args.func(args)
 

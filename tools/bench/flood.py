@@ -1,6 +1,7 @@
 """A half-open connection flood against a training peer, measured.
 
     python -m tools.bench.flood [--connections 3000] [--steps 400] [--repeats 3]
+    python -m tools.bench.flood --peers 3 [--steps 300] [--repeats 3] [--sources 127.0.0.2]
     python -m tools.bench.flood flood tcp://127.0.0.1:PORT [-n 3000] [--sources 127.0.0.2]
 
 bench (the default): one training peer (`atom train`, gossip listening), each run alone
@@ -9,6 +10,13 @@ greeting, each one the peer drops opened again at once (a flooder does that). Ru
 interleaved (none, flood, none, flood, ...) and repeated; each peer is its own process.
 It prints the peer's median step time for each run, the peer's most open files, its CPU
 seconds per step, and a markdown row.
+
+--peers 3: a group of three (tests/adversary.py honest_group: disjoint shards, each peer
+its own process, the first one the seed), the first one flooded once all three passed
+step 20, from --sources (by default 127.0.0.2: the honest peers use 127.0.0.1, and the
+flood's address is the one refused past the cap, so the flooder stands for another
+machine). For the victim and the two others: the median step time against the clean runs'
+(flooded/clean), the most open files, and the exchanges each served.
 
 flood: the flooder alone, until SIGINT or SIGTERM; its last line is a JSON summary
 (connections opened, the most held at once, the longest any one lived). It runs at the
@@ -208,9 +216,80 @@ def run_once(work: Path, data: Path, steps: int, flood: int) -> dict:
             "flooder": summary, "counters": counted}  # fmt: skip
 
 
+def run_group(work: Path, steps: int, flood: int, sources: list[str]) -> dict:
+    """Three peers, the first flooded from step 20 on (with `flood`): each one's median
+    step, most open files and exchanges served."""
+    import psutil
+
+    from tests import gossip_util as gu
+    from tests.adversary import honest_group
+    from tools.bench.attacks import STEPS_MODEL
+
+    root = work / f"group_{'flood' if flood else 'none'}"
+    root.mkdir()
+    out: dict = {}
+
+    def during(procs, runs) -> None:
+        gu.wait_for(lambda: all(gu.last_step(r) >= 20 for r in runs), 180, "step 20", procs)
+        children = [psutil.Process(p.pid) for p in procs]
+        files = [0] * len(procs)
+        victim = gu.status(runs[0])["endpoint"]
+        with flooding(victim, flood, sources) if flood else contextlib.nullcontext({}) as got:
+            while any(p.poll() is None for p in procs):
+                for k, child in enumerate(children):
+                    with contextlib.suppress(psutil.Error):
+                        files[k] = max(files[k], child.num_fds())
+                time.sleep(0.05)
+        out.update(most_files=files, flooder=got)
+
+    result = honest_group(root, steps, None, tuple(STEPS_MODEL), during=during)
+    figures = [gu.step_figures(root / f"h{k}", ("gate", "guard", "auth", "served.ok"))
+               for k in range(3)]  # fmt: skip
+    return {"flood": flood, "codes": result["codes"], "step_s": [f[0] for f in figures],
+            "served": [int(f[2].get("served.ok", 0)) for f in figures],
+            "val_loss": result["val_loss"], "counters": figures[0][2], **out}  # fmt: skip
+
+
+def cmd_group(args: argparse.Namespace) -> None:
+    sources = (args.sources or "127.0.0.2").split(",")
+    rows: dict[int, list[dict]] = {0: [], args.connections: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for flood in rows:  # interleaved: each flooded group beside a clean one
+                sub = Path(tmp) / f"r{r}"
+                sub.mkdir(exist_ok=True)
+                result = run_group(sub, args.steps or 300, flood, sources)
+                rows[flood].append(result)
+                print(json.dumps(result), flush=True)
+    victim = lambda x: x["step_s"][0]  # noqa: E731
+    others = lambda x: statistics.median(x["step_s"][1:])  # noqa: E731
+    base_v = statistics.median(victim(x) for x in rows[0])
+    base_o = statistics.median(others(x) for x in rows[0])
+    print("\n| half-open connections | victim's median step, ms (runs) | vs none | others', ms "
+          "(runs) | vs none | most open files: victim, others | served: victim, others "
+          "(each run) | exit |")  # fmt: skip
+    print("|---|---|---:|---|---:|---|---|---|")
+    for flood, results in rows.items():
+        v, o = [victim(x) for x in results], [others(x) for x in results]
+        files = [x["most_files"] for x in results]
+        served = "; ".join(", ".join(str(n) for n in x["served"]) for x in results)
+        print(f"| {flood} | {1000 * statistics.median(v):.1f} "
+              f"({', '.join(f'{1000 * s:.1f}' for s in v)}) "
+              f"| {statistics.median(v) / base_v:.2f}x "
+              f"| {1000 * statistics.median(o):.1f} ({', '.join(f'{1000 * s:.1f}' for s in o)}) "
+              f"| {statistics.median(o) / base_o:.2f}x "
+              f"| {max(f[0] for f in files)}, {max(max(f[1:]) for f in files)} | {served} "
+              f"| {[x['codes'] for x in results]} |")  # fmt: skip
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from tests import gossip_util as gu
 
+    if args.peers == 3:
+        cmd_group(args)
+        return
+    if args.peers != 1:
+        sys.exit("--peers: 1 (one peer alone) or 3 (a group, the first one flooded)")
     rows: dict[int, list[dict]] = {0: [], args.connections: []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -219,7 +298,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             for flood in rows:
                 sub = work / f"r{r}"
                 sub.mkdir(exist_ok=True)
-                result = run_once(sub, shards[0], args.steps, flood)
+                result = run_once(sub, shards[0], args.steps or 400, flood)
                 rows[flood].append(result)
                 print(json.dumps(result), flush=True)
     base = statistics.median(x["step_s"] for x in rows[0])
@@ -241,8 +320,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     parser.add_argument("--connections", type=int, default=3000)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=0, help="default 400; 300 with --peers 3")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peers", type=int, default=1, help="1, or 3: a group, one flooded")
+    parser.add_argument("--sources", default="", help="with --peers 3: the flood's addresses")
     p = sub.add_parser("flood", help="the flooder alone (a child of the bench and tests)")
     p.add_argument("endpoint", help="tcp://HOST:PORT")
     p.add_argument("-n", type=int, default=3000, help="connections held at once")
