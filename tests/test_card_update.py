@@ -194,9 +194,24 @@ def test_tied_units_stay_on_the_host():
         SwapEngine(tiny_config(swap={"card_update": "0-2"}), CpuBackend(), torch.float32)
 
 
-def test_card_update_and_the_nvme_tier_are_refused_together(tmp_path):
-    with pytest.raises(ConfigError, match="NVMe tier"):
-        tiny_config(swap={"card_update": "all", "disk_dir": str(tmp_path)})
+def test_units_updated_on_the_card_keep_their_moments_only_on_the_nvme_tier(monkeypatch, tmp_path):
+    """With the NVMe tier, a card unit's moments are in its tier record, paged in for the
+    update: no page-locked moments of their own beside it (tests/test_disk_tier.py has the
+    training itself)."""
+    from tests.fake_cuda import cuda_backend
+
+    pinned = {}
+    for card in ("none", "all"):
+        cfg = _cuda_config("fp32", 0.0, "exact", 0)
+        cfg.swap.card_update, cfg.swap.disk_dir = card, str(tmp_path)
+        backend, _ = cuda_backend(monkeypatch, 1 << 15)
+        engine = SwapEngine(cfg, backend, torch.float32)
+        try:
+            pinned[card] = backend.pinned_bytes
+            assert engine.tier is not None and bool(engine.card_units) == (card == "all")
+        finally:
+            engine.close()
+    assert pinned["all"] == pinned["none"]
 
 
 # ---------------------------------------------------------------------- kept on the card
@@ -325,12 +340,14 @@ def _cuda_train(cfg, backend, dtype, sim=None, steps: int = 2):
         engine.close()
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["ram", "nvme"])
 @pytest.mark.parametrize("case", CUDA_CASES.values(), ids=CUDA_CASES.keys())
-def test_card_update_on_the_cuda_backend_orders_every_copy(monkeypatch, case):
+def test_card_update_on_the_cuda_backend_orders_every_copy(monkeypatch, tmp_path, case, tier):
     from tests.fake_cuda import cuda_backend
 
     state, clip, update, resident, dtype = case
     cfg = _cuda_config(state, clip, update, resident)
+    cfg.swap.disk_dir = str(tmp_path) if tier else None
     want = _cuda_train(cfg, CpuBackend(), dtype)
     backend, sim = cuda_backend(monkeypatch, 1 << 15)  # a small pool: a few chunks a unit
     got = _cuda_train(cfg, backend, dtype, sim)

@@ -11,6 +11,7 @@ between tiers; a run killed mid-write resumes from its checkpoint exactly.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -237,3 +238,155 @@ def test_close_does_not_wait_for_reads_nobody_will_take(tmp_path):
     tier.close()
     assert time.monotonic() - t0 < 5
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------- updates on the card
+
+
+def _stepwise(cfg, threads: bool = False, steps: int = STEPS):
+    """Train `steps` steps; with a tier, each step's (bytes read, bytes written) once its
+    updates have all landed and their writes are on disk."""
+    engine = SwapEngine(cfg, CpuBackend(helper_threads=threads), torch.float32)
+    tier = engine.tier
+    try:
+        if tier:
+            tier.flush()  # the initial weights' writes
+        losses, io = [], []
+        for s in range(steps):
+            before = (tier.bytes_read, tier.bytes_written) if tier else None
+            losses.append(engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss)
+            engine.wait_idle()
+            if tier:
+                tier.flush()
+                io.append((tier.bytes_read - before[0], tier.bytes_written - before[1]))
+        return losses, engine.named_parameters(), io, engine
+    finally:
+        engine.close()
+
+
+def _same_training(ram, disk) -> None:
+    assert disk[0] == ram[0]
+    for name, p in ram[1].items():
+        assert torch.equal(disk[1][name], p), name
+
+
+@pytest.mark.parametrize(
+    "swap,train",
+    [
+        ({}, {}),
+        ({"update": "eager"}, {}),
+        ({}, {"grad_clip": 0.0}),
+        ({"order": "unit"}, {"grad_accum": 3}),
+        ({"order": "micro"}, {"grad_accum": 2}),
+        ({"state": "compact"}, {}),
+        ({"card_update": "1-2", "resident_units": 2}, {"grad_accum": 2}),
+    ],
+    ids=["exact", "eager", "noclip", "unit-accum3", "micro-accum2", "compact", "resident2"],
+)
+def test_card_update_on_the_tier_is_bit_identical(tmp_path, swap, train):
+    """Units updated on the card page their master and moments in around the update, as
+    host-updated units do: the same training as with the state in RAM, and each step reads
+    and writes every unit's record once (a card unit's write goes out after its last piece
+    has landed)."""
+    swap = {"card_update": "all", **swap}
+    model = {"arch": "llama", "n_kv_head": 2}
+    ram = _stepwise(tiny_config(swap=swap, train=train, model=model))
+    disk = _stepwise(
+        tiny_config(swap={**swap, "disk_dir": str(tmp_path)}, train=train, model=model)
+    )
+    _same_training(ram, disk)
+    engine = disk[3]
+    assert engine.card_units and engine.card.updates == STEPS * len(engine.card_units)
+    per_step = sum(r.nbytes for r in engine.tier.records)
+    assert disk[2] == [(per_step, per_step)] * STEPS
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["inline", "threads"])
+@pytest.mark.parametrize(
+    "swap,train",
+    [
+        ({"card_update": "1-2", "disk_slots": 2}, {}),
+        ({"card_update": "1-2", "update": "eager", "disk_slots": 2}, {}),
+        ({"card_update": "2", "disk_slots": 2}, {"grad_clip": 0.0}),
+        ({"card_update": "1-3", "order": "unit", "disk_slots": 2}, {"grad_accum": 3}),
+    ],
+    ids=["exact", "eager", "noclip", "unit-accum3"],
+)
+def test_card_and_host_units_share_two_slots(tmp_path, threads, swap, train):
+    """GPT (tied embedding and head, so those update on the host) with block units on the
+    card, and two RAM slots for everyone's records: reads are asked for in the order the
+    updates take them, so nothing waits for a slot held by a later update. Compared on
+    one backend: the inline and the threaded CPU backends differ bit-wise already."""
+    model = {"n_layer": 4}
+    ram = _stepwise(tiny_config(swap=swap, train=train, model=model), threads)
+    on_disk = {**swap, "disk_dir": str(tmp_path)}
+    disk = _stepwise(tiny_config(swap=on_disk, train=train, model=model), threads)
+    _same_training(ram, disk)
+    per_step = sum(r.nbytes for r in disk[3].tier.records)
+    assert disk[2] == [(per_step, per_step)] * STEPS
+
+
+def _all_slots_free(tier) -> bool:
+    tier.flush()
+    return tier._free.qsize() == len(tier._mem) and not tier._slot_of and not tier._loaded
+
+
+@pytest.mark.parametrize("how", ["non-finite", "error", "stop"])
+def test_a_skipped_or_abandoned_card_update_gives_its_record_back(tmp_path, how):
+    """The head (updated on the card) has its record read while it computes. An eager
+    update skipped for a non-finite gradient, a step that fails in the head, and a Ctrl+C
+    between the head's micro-batches: each gives the record back unwritten, and training
+    goes on."""
+    accum = 3 if how == "stop" else 1
+    cfg = tiny_config(
+        model={"arch": "llama", "n_kv_head": 2},
+        train={"grad_accum": accum},
+        swap={"card_update": "all", "update": "eager", "disk_dir": str(tmp_path)},
+    )
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    tier = engine.tier
+    try:
+        engine.train_step(batches_for(0, cfg), 1e-3)
+        before = {k: v.clone() for k, v in engine.named_parameters().items()}
+        head = len(engine.units) - 1
+        assert head in engine.card_units
+        original = engine._head_step
+        seen = []
+
+        def broken(*args):
+            loss, grad_h, grads = original(*args)
+            if how == "error":
+                raise RuntimeError("injected")
+            grads[0] = torch.full_like(grads[0], float("nan"))
+            return loss, grad_h, grads
+
+        def stop() -> bool:  # asked before each visit: the head's second micro-batch
+            seen.append(1)
+            return len(seen) > len(engine.units) * accum - accum + 1
+
+        written = tier.bytes_written
+        if how == "stop":
+            with pytest.raises(KeyboardInterrupt):
+                engine.train_step(batches_for(1, cfg), 1e-3, stop=stop)
+        else:
+            engine._head_step = broken
+            if how == "error":
+                with pytest.raises(RuntimeError, match="injected"):
+                    engine.train_step(batches_for(1, cfg), 1e-3)
+            else:
+                engine.train_step(batches_for(1, cfg), 1e-3)
+                assert engine.skipped_units >= 1
+        engine.wait_idle()
+        assert _all_slots_free(tier)
+        after = engine.named_parameters()
+        owned = {p.full_name for p in engine.units[head].owned}
+        assert all(torch.equal(before[n], after[n]) for n in owned)
+        if how != "non-finite":  # abandoned before any update: nothing written
+            assert tier.bytes_written == written
+        engine._head_step = original
+        assert math.isfinite(engine.train_step(batches_for(2, cfg), 1e-3).loss)
+        engine.wait_idle()
+        assert _all_slots_free(tier)
+    finally:
+        engine.close()

@@ -191,6 +191,10 @@ class SwapConfig:
     prefetch: int = 1  # units loaded ahead of the one computing; slots = prefetch + 1
     checkpoint: bool = True  # keep only unit inputs in forward, recompute in backward
     offload_activations: bool = False  # with checkpoint: keep those unit inputs in host memory
+    # with offload_activations: the inputs of the last `acts_on_card` block units (those
+    # nearest the head, whose backward comes first) stay on the device: no round trip for
+    # the inputs needed back soonest, where device memory allows (`atom profile` sizes it)
+    acts_on_card: int = 0
     # With grad_accum > 1: "unit" runs every micro-batch through a unit while it is loaded
     # (weights cross the bus and gradients come back once per step; the boundary
     # activations of all micro-batches are kept), "micro" runs micro-batch after
@@ -220,6 +224,7 @@ class SwapConfig:
     # moments (12 bytes per parameter in fp32 state, 6 compact); RAM keeps the bus copy and
     # the gradient, and `disk_slots` units' state around their updates (read ahead, written
     # behind). None: everything in RAM. Working state only: checkpoints are separate.
+    # Units updated on the device (card_update) page theirs the same way, around the update.
     disk_dir: str | None = None
     disk_slots: int = 3
     # Units whose optimizer update runs on the device (atom/swap/card_update.py): "none",
@@ -241,11 +246,8 @@ class SwapConfig:
             raise ValueError(f"swap.layers_per_unit must be >= 1, got {self.layers_per_unit}")
         if self.prefetch < 0:
             raise ValueError(f"swap.prefetch must be >= 0, got {self.prefetch}")
-        if self.card_update.strip() not in ("", "none") and self.disk_dir is not None:
-            raise ValueError(
-                "swap.card_update does not work with the NVMe tier (swap.disk_dir) yet: "
-                "set swap.card_update=none, or keep the state in RAM"
-            )
+        if self.acts_on_card < 0:
+            raise ValueError(f"swap.acts_on_card must be >= 0, got {self.acts_on_card}")
         if self.offload_activations and not self.checkpoint:
             raise ValueError(
                 "swap.offload_activations needs swap.checkpoint: true (only the "

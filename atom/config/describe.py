@@ -76,6 +76,8 @@ DESCRIPTIONS: dict[str, str] = {
     "swap.prefetch": "units copied ahead of the one computing; device slots = prefetch + 1",
     "swap.checkpoint": "keep only unit inputs in the forward and recompute in the backward",
     "swap.offload_activations": "with checkpoint: keep those unit inputs in host memory",
+    "swap.acts_on_card": "with offload_activations: the inputs of this many block units "
+    "nearest the head stay on the device (their backward comes first)",
     "swap.order": "with grad_accum > 1: `unit` (each unit runs every micro-batch while "
     "loaded: weights and gradients cross the bus once a step) or `micro` (micro-batch after "
     "micro-batch: less activation memory, more traffic)",
@@ -88,7 +90,7 @@ DESCRIPTIONS: dict[str, str] = {
     "loop (a C++ compiler; ~30 s the first time, cached); falls back to the eager update "
     "with a warning",
     "swap.disk_dir": "the NVMe tier: a directory for master weights and moments, paged "
-    "around each unit's update; null: in RAM",
+    "around each unit's update (on the host or the card); null: in RAM",
     "swap.disk_slots": "NVMe tier: units' state held in RAM at once",
     "swap.card_update": "units whose update runs on the device, their state streamed over "
     "the bus: `none`, `all` (every unit not tied to another), or indices such as `1-30`",

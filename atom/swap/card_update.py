@@ -1,10 +1,11 @@
 """The update on the card: a unit's optimizer step run on the device, its gradient never
 crossing the bus (`swap.card_update`).
 
-The unit's optimizer state stays where the host update keeps it, in host memory, so
-checkpoints, `atom export`, peers' merges and the LR schedule see it where they always
-did. For the update it crosses the bus a chunk at a time, the next chunk's copy issued
-before this chunk's update runs (double-buffered):
+The unit's optimizer state stays where the host update keeps it, in host memory (or on
+the NVMe tier: paged into a RAM slot before the first chunk crosses, written back once
+the last piece has landed), so checkpoints, `atom export`, peers' merges and the LR
+schedule see it where they always did. For the update it crosses the bus a chunk at a
+time, the next chunk's copy issued before this chunk's update runs (double-buffered):
 
     H2D (copy stream)   the chunk's state: fp32 master + both moments (fp32 state); the
                         bf16 master, its 16-bit remainder, the moments' codes and block
@@ -202,18 +203,23 @@ class CardUpdate:
         with a bf16 copy the master's upper half is read from it (no copy up). Returns
         once every copy and kernel is issued; the unit is `ready` again when its last
         piece has landed."""
-        buf = self.store.buffers[u]
+        buf, tier = self.store.buffers[u], self.store.tier
         buf.lock.acquire()
         buf.ready.clear()
-        handed_over = False
+        handed_over = paged = False
         # a peer's merge since the slot was loaded: the host master is the newer one
         from_slot = slot is not None and not buf.changed
 
         def give_back() -> None:
+            if paged:  # every piece has landed in the record: its write goes out now
+                tier.release(u, dirty=True)
             buf.ready.set()
             buf.lock.release()
 
         try:
+            if tier is not None:  # the NVMe tier: master and moments into a RAM slot
+                tier.acquire(u)
+                paged = True
             chunk = self._chunk(buf)
             self.backend.keep_for_side(grad)
             # beside the backward's compute, not in its queue: the compute stream would
@@ -229,7 +235,12 @@ class CardUpdate:
             self.worker.submit(lambda: None, cleanup=give_back)
         except BaseException:
             if not handed_over:
-                give_back()
+                # behind the landings already queued: they write into the record's slot,
+                # which must not go to another unit first (a refused submit runs it now)
+                try:
+                    self.worker.submit(lambda: None, cleanup=give_back)
+                except Exception:
+                    pass  # the worker's own failure: raised by the next check
             raise
         self.updates += 1
 

@@ -261,6 +261,22 @@ class DiskTier:
         self.records[unit].point_away()
         self._writes.put((unit, slot, dirty))
 
+    def discard(self, unit: int) -> None:
+        """A record read ahead that no update will take (the update skipped, the step
+        abandoned): once its read is done, the slot goes back unwritten. Nothing if it
+        was never asked for. Discard in the order the reads were asked: a later read
+        may wait for the slot an earlier one holds."""
+        with self._lock:
+            loaded = self._loaded.get(unit)
+        if loaded is None:
+            return
+        loaded.wait()
+        with self._lock:
+            if unit not in self._slot_of:  # the read failed (self.error): no slot to free
+                del self._loaded[unit]
+                return
+        self.release(unit, dirty=False)
+
     def flush(self) -> None:
         """Wait for every queued write."""
         with self._lock:

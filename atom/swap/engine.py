@@ -44,9 +44,10 @@ from atom.swap.host_worker import HostWorker
 from atom.swap.landing import GradientLanding, crossing_dtype
 from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan, StepState
-from atom.swap.slots import DeviceSlots, Held, MemoryLedger, params_saved_by_slot
+from atom.swap.slots import DeviceSlots, MemoryLedger
 from atom.swap.unit_optimizers import unit_optimizers
-from atom.swap.units import UnitSpec, param_leaves, partition, run_unit
+from atom.swap.unit_passes import UnitPasses
+from atom.swap.units import UnitSpec, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def _sq_norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
 
 
-class SwapEngine(EngineState):
+class SwapEngine(UnitPasses, EngineState):
     def __init__(
         self, cfg: Config, backend: Backend, compute_dtype: torch.dtype, init: bool = True
     ):
@@ -90,7 +91,11 @@ class SwapEngine(EngineState):
         self.store = HostStore(
             self.units, backend, compute_dtype, cfg.swap.state, paged, frozenset(self.card_units)
         )
-        self.optimizers = unit_optimizers(cfg, self.store, backend, self.card_units)
+        # paged units' moments live in the tier's records, which the card update reads: no
+        # page-locked moments of their own (unused, they would be most of the host RAM)
+        self.optimizers = unit_optimizers(
+            cfg, self.store, backend, set() if paged else self.card_units
+        )
         self.tier: DiskTier | None = None
         if paged:
             records = [UnitRecord(opt.regions()) for opt in self.optimizers]
@@ -123,6 +128,9 @@ class SwapEngine(EngineState):
         self.landing = GradientLanding.of(backend, self.store)
         self.card = CardUpdate(backend, self.store, self.optimizers, self.worker, self.ledger)
         self.card_grads = CardGradients(backend, self.ledger, self.units)
+        # card units whose tier record is asked for and not yet taken by their update, in
+        # the order asked (an abandoned step gives them back in that order)
+        self._card_reads: list[int] = []
         self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
@@ -230,6 +238,7 @@ class SwapEngine(EngineState):
                     st.h[m], st.targets[m], st.docs[m] = batch
                 if not self.slots.has(u):
                     self._load(u)
+                self._read_ahead(u, plan.runs.get(pos))
                 flat = self.slots.acquire(u)
                 if v.phase == "f" and u < N - 1:
                     st.h[m] = self._forward_unit(u, m, flat, st.h[m], st.saved, st.docs[m])
@@ -283,74 +292,22 @@ class SwapEngine(EngineState):
 
         attempt(self.slots.release_all, "freeing the device slots")
         attempt(self.backend.synchronize, "device synchronize")
-        if self.cfg.swap.checkpoint and self.cfg.swap.offload_activations:
-            for (u, _), x in st.saved.items():
-                if u > 0:  # unit inputs past the embedding were offloaded
-                    self.backend.reclaim(x)
+        for (u, _), x in st.saved.items():
+            if self._offloaded(u):
+                self.backend.reclaim(x)
         st.saved.clear()
         self.card_grads.clear()
         self.ledger.current = ledger_at_start
         attempt(self.worker.drain, "the host worker")
+        reads, self._card_reads = self._card_reads, []
+        for u in reads:  # read ahead for updates that will not come: in the order asked
+            attempt(lambda u=u: self.tier.discard(u), "giving back a tier record")
         # units whose update was deferred get none: unblocked after what the worker still
         # holds (all of it, unless a Ctrl+C cut the drain short); a failed worker runs the
         # cleanup at once
         attempt(lambda: self.worker.submit(lambda: None, cleanup=self._unblock_all), "unblock")
         if interrupt is not None:
             raise interrupt
-
-    def _forward_unit(self, u: int, m: int, flat, h, saved: dict, docs) -> torch.Tensor:
-        if self.cfg.swap.checkpoint:
-            if u > 0 and self.cfg.swap.offload_activations:
-                saved[u, m] = self.backend.offload(h)  # kept in host memory until backward
-            else:
-                saved[u, m] = h
-                if u > 0:
-                    self.ledger.add(h.nbytes)
-            with torch.no_grad():
-                return run_unit(self.units[u], flat, h, docs=docs)
-        held = Held(self.ledger)
-        h_in = h if u == 0 else h.detach().requires_grad_()
-        leaves = param_leaves(self.units[u], flat)
-        with params_saved_by_slot(self.slots, u, held.add):
-            out = run_unit(self.units[u], leaves, h_in, docs=docs)
-        saved[u, m] = (h_in, out, leaves, held)
-        return out.detach()
-
-    def _head_step(self, u, flat, h, y, scale, docs):
-        held = Held(self.ledger)
-        h_in = h.detach().requires_grad_()
-        leaves = param_leaves(self.units[u], flat)
-        with params_saved_by_slot(self.slots, u, held.add):
-            loss = run_unit(self.units[u], leaves, h_in, y, docs)
-        grad_h, *grads = torch.autograd.grad(loss * scale, [h_in, *leaves])
-        self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
-        held.release()
-        return loss, grad_h, grads
-
-    def _backward_unit(self, u: int, m: int, flat, grad_h, saved: dict, docs):
-        unit = self.units[u]
-        ckpt = self.cfg.swap.checkpoint
-        offloaded = ckpt and u > 0 and self.cfg.swap.offload_activations
-        if ckpt:
-            x = saved.pop((u, m))
-            if offloaded:
-                x = self.backend.fetch(x)
-            held = Held(self.ledger)
-            h_in = x if u == 0 else x.detach().requires_grad_()
-            leaves = param_leaves(unit, flat)
-            with params_saved_by_slot(self.slots, u, held.add, None if offloaded else h_in):
-                out = run_unit(unit, leaves, h_in, docs=docs)
-        else:
-            h_in, out, leaves, held = saved.pop((u, m))
-        if u == 0:
-            grad_in, grads = None, torch.autograd.grad(out, leaves, grad_h)
-        else:
-            grad_in, *grads = torch.autograd.grad(out, [h_in, *leaves], grad_h)
-        self.ledger.add(sum(g.nbytes for g in grads))  # until posted or accumulated
-        held.release()
-        if ckpt and u > 0 and not offloaded:
-            self.ledger.sub(h_in.nbytes)
-        return grad_in, grads
 
     # ------------------------------------------------------------------ gradients
     def _accumulate(self, u: int, grads: list[torch.Tensor], run: GradRun, st) -> None:
@@ -455,10 +412,30 @@ class SwapEngine(EngineState):
         if self.timing == EAGER and not math.isfinite(self._norm_sq[u]):
             self.eager_clip.skipped_units += 1
             log.warning("non-finite gradient in unit %d: its update is skipped", u)
+            if u in self._card_reads:  # its record goes back unwritten
+                self._card_reads.remove(u)
+                self.tier.discard(u)
         else:
-            coef = self.eager_clip.coef if self.timing == EAGER else 1.0
-            self.card.run(u, acc, coef, self._lr, self._slot_of(u))
+            self._card_update(u, acc, self.eager_clip.coef if self.timing == EAGER else 1.0)
         self.card_grads.release(acc)
+
+    def _read_ahead(self, u: int, run: GradRun | None) -> None:
+        """The NVMe tier: a card unit's record is read while its last run of visits computes,
+        so that its update, at the run's end, finds it in RAM. Reads are served in the order
+        asked, so they are asked in the order updates take them: host units' at their last
+        landing, card units' here. Not for exact updates: they wait for the step's end, in
+        forward order, and a slot held per card unit until then would leave none for
+        the reads they wait behind once card units outnumber swap.disk_slots."""
+        if self.tier is None or u not in self.card_units or self.timing == EXACT:
+            return
+        if run is not None and run.first_visit and run.last_run:
+            self.tier.prefetch(u)
+            self._card_reads.append(u)
+
+    def _card_update(self, u: int, grad: torch.Tensor, coef: float) -> None:
+        if u in self._card_reads:
+            self._card_reads.remove(u)  # taken by the update below
+        self.card.run(u, grad, coef, self._lr, self._slot_of(u))
 
     def _slot_of(self, u: int) -> torch.Tensor | None:
         """A unit's device copy, kept across steps, that its card update writes into."""
@@ -501,7 +478,7 @@ class SwapEngine(EngineState):
         for u in range(len(self.units)):  # forward order: the next step needs unit 0 first
             if u in pending:
                 grad = pending.pop(u)
-                self.card.run(u, grad, coef, self._lr, self._slot_of(u))
+                self._card_update(u, grad, coef)
                 self.card_grads.release(grad)
                 continue
             if self.tier is not None:
