@@ -116,7 +116,8 @@ class CompactAdamW:
     the moments in place. paged: master, rem and the moments are placeholders that the
     disk tier points into a RAM slot around each update (`regions` lays them out).
     `moments`: buffers to hold the codes and scales (page-locked, for a unit updated on
-    the device)."""
+    the device; its `grad` is empty and `step` is never called: atom/swap/card_update.py
+    updates it from these buffers)."""
 
     def __init__(
         self,
@@ -172,6 +173,8 @@ class CompactAdamW:
 
     @torch.no_grad()
     def step(self, lr: float, coef: float = 1.0) -> None:
+        # a card unit's empty gradient: its slices would reach the compiled kernel short
+        assert self.grad.numel() >= self.n, "a unit updated on the device has no host gradient"
         cfg = self.cfg
         self.steps += 1
         b1, b2 = cfg.beta1, cfg.beta2

@@ -96,7 +96,9 @@ class TorchUnitOptimizer:
     paged: master is a placeholder the disk tier points into a RAM slot around each update
     (atom/swap/disk_tier.py); the moments are placeholders too, created up front so that
     `regions` can name them. `moments`: flat (exp_avg, exp_avg_sq) buffers to hold the
-    state (page-locked ones, for a unit updated on the device), zeroed here."""
+    state (page-locked ones, for a unit updated on the device), zeroed here. An empty
+    `grad`: the unit is updated on the device (atom/swap/card_update.py, from its
+    begin_card_step), which keeps the gradient; `step` is never called for it."""
 
     def __init__(
         self,
@@ -114,8 +116,9 @@ class TorchUnitOptimizer:
         self._params = [p for p, n in ((self.decay, n_decay), (self.no_decay, n_owned - n_decay))
                         if n]  # fmt: skip
         self.grad = grad[:n_owned]
+        self.on_card = grad.numel() == 0  # no host gradient to attach (torch checks sizes)
         self._grads = {id(self.decay): grad[:n_decay], id(self.no_decay): grad[n_decay:n_owned]}
-        if not paged:
+        if not paged and not self.on_card:
             self._attach_grads()
         self.opt = make_optimizer(
             [self.decay] if n_decay else [], [self.no_decay] if n_owned - n_decay else [], cfg
@@ -176,6 +179,7 @@ class TorchUnitOptimizer:
         return float(steps + 1), groups
 
     def step(self, lr: float, coef: float = 1.0) -> None:
+        assert not self.on_card, "a unit updated on the device has no host gradient to step on"
         if coef != 1.0:
             self.grad.mul_(coef)
         self._attach_grads()

@@ -121,7 +121,28 @@ def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     a = ModelAnalysis.of(cfg)
     disk = cfg.swap.disk_dir is not None
     need = a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
+    need -= card_grad_bytes(cfg)
     return a.n_params, need + outer_state_bytes(cfg, a.n_params)
+
+
+def card_grad_bytes(cfg: Config) -> int:
+    """The host gradient the units updated on the device (swap.card_update) do not have
+    (atom/swap/host_store.py allocates none; their gradient stays on the device): n_total
+    elements of the master's dtype (4 bytes, 2 in compact state) per card unit, chosen as
+    the engine chooses them (atom/swap/card_update.py parse_units)."""
+    if cfg.swap.card_update.strip() in ("", "none"):
+        return 0  # no second meta build of the model
+    from atom.model import build_model
+    from atom.swap.card_update import parse_units
+    from atom.swap.units import partition
+
+    units = partition(build_model(cfg.model, device="meta"), cfg.swap.layers_per_unit)
+    try:
+        card = parse_units(cfg.swap.card_update, units)
+    except ValueError as err:  # as the engine words it (atom/swap/engine.py)
+        raise ConfigError(str(err)) from None
+    per = 2 if cfg.swap.state == "compact" else 4  # bf16 or fp32, the master's dtype
+    return sum(units[u].n_total for u in card) * per
 
 
 def outer_state_bytes(cfg: Config, n_params: int) -> int:

@@ -33,9 +33,10 @@ class GradientLanding:
     def __init__(self, backend: Backend, grads: list[torch.Tensor], params: list[list]):
         self.backend, self.grads = backend, grads
         self._scratch: torch.Tensor | None = None  # fp32, for mixed-dtype landings
-        # per-parameter views of each unit's host gradient, in unit.params order
+        # per-parameter views of each unit's host gradient, in unit.params order; none for
+        # a unit updated on the device, whose host gradient is empty (it never lands here)
         self._views = [
-            [grad[p.offset : p.offset + p.numel].view(p.shape) for p in ps]
+            [grad[p.offset : p.offset + p.numel].view(p.shape) for p in ps] if grad.numel() else []
             for grad, ps in zip(grads, params, strict=True)
         ]
 
