@@ -390,3 +390,39 @@ def test_a_skipped_or_abandoned_card_update_gives_its_record_back(tmp_path, how)
         assert _all_slots_free(tier)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("register", ["arena", "refused"])
+def test_tier_slots_are_page_locked_and_page_aligned_on_cuda(monkeypatch, tmp_path, register):
+    """On the CUDA backend (faked on the CPU) the slots come from the backend's pinned
+    arena, so a card update's state copies are DMA from the slot itself; where page-locking
+    an arena is refused, from torch's pinned buffers, cut to a page boundary (O_DIRECT
+    wants aligned buffers). Training there equals the CPU backend's."""
+    from tests.fake_cuda import cuda_backend
+
+    cfg = tiny_config(
+        model={"arch": "llama", "n_kv_head": 2},
+        swap={"card_update": "1-2", "disk_dir": str(tmp_path), "disk_slots": 2},
+    )
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)
+    sim.fail_host_register = register == "refused"
+    engine = SwapEngine(cfg, backend, torch.float32)
+    try:
+        slots = engine.tier._tensors
+        assert len(slots) == 2 and all(t.data_ptr() % disk_tier.ALIGN == 0 for t in slots)
+        if register == "arena":
+            locked = sim.registered.items()
+            for t in slots:
+                lo, hi = t.data_ptr(), t.data_ptr() + t.numel()
+                assert any(p <= lo and hi <= p + n for p, n in locked)
+        with sim.watch():
+            losses = [engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
+                      for s in range(2)]  # fmt: skip
+        params = engine.named_parameters()
+    finally:
+        engine.close()
+    assert sim.violations == []
+    want = _stepwise(cfg, steps=2)
+    assert losses == want[0]
+    for name, p in want[1].items():
+        assert torch.equal(params[name], p), name

@@ -91,6 +91,9 @@ class Backend:
         return [self.alloc_host(n, dt) for n, dt in requests]
 
     pinned_bytes: int = 0  # page-locked host bytes this backend holds
+    # alloc_host_many's buffers are page-locked (copies from them are DMA): other host
+    # buffers that cross the bus (the NVMe tier's slots) are worth taking from it
+    pins_host: bool = False
 
     def record(self) -> object:
         """A marker after the work issued so far on the current stream (the compute
@@ -254,6 +257,7 @@ class CudaBackend(Backend):
     so the next unit's copy reuses it while the landing goes on (`host_pieces`)."""
 
     name = "cuda"
+    pins_host = True
 
     def __init__(
         self,

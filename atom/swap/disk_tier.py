@@ -30,6 +30,7 @@ import queue
 import shutil
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,7 +95,15 @@ class DiskTier:
     back (if dirty) and frees the slot once it is on disk. Reads of a unit wait for its
     pending write, so a unit never comes back older than it went out."""
 
-    def __init__(self, directory: str | Path, records: list[UnitRecord], n_slots: int = 3):
+    def __init__(
+        self,
+        directory: str | Path,
+        records: list[UnitRecord],
+        n_slots: int = 3,
+        alloc: Callable[[list[tuple[int, torch.dtype]]], list[torch.Tensor]] | None = None,
+    ):
+        """alloc: the backend's `alloc_host_many` (page-locked slots on CUDA, so a card
+        update's state copies are DMA from the slot itself); None: anonymous mmaps."""
         root = Path(directory).expanduser()
         if not root.is_dir():
             raise ConfigError(
@@ -116,10 +125,8 @@ class DiskTier:
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.direct = False
         self._fds = [self._create(i, r.nbytes) for i, r in enumerate(records)]
-        slot_bytes = max(r.nbytes for r in records)
-        # anonymous mmap: page-aligned, as O_DIRECT needs
-        self._mem = [mmap.mmap(-1, slot_bytes) for _ in range(max(2, n_slots))]
-        self._tensors = [torch.frombuffer(m, dtype=torch.uint8) for m in self._mem]
+        self._tensors = _slots(max(r.nbytes for r in records), max(2, n_slots), alloc)
+        self._mem = [memoryview(t.numpy()) for t in self._tensors]  # for preadv and pwrite
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(len(self._mem)):
             self._free.put(i)
@@ -144,7 +151,7 @@ class DiskTier:
 
     @property
     def slot_bytes(self) -> int:
-        return len(self._mem) * len(self._mem[0])
+        return sum(t.numel() for t in self._tensors)
 
     @property
     def disk_bytes(self) -> int:
@@ -188,7 +195,7 @@ class DiskTier:
                 if fresh:  # about to be overwritten whole: zeros, as a new record reads
                     self._tensors[slot][:nbytes].zero_()
                 elif self.error is None:
-                    view = memoryview(self._mem[slot])[:nbytes]
+                    view = self._mem[slot][:nbytes]
                     got = os.preadv(self._fds[unit], [view], 0)
                     if got != nbytes:
                         raise OSError(f"short read of unit {unit}: {got} of {nbytes} bytes")
@@ -218,7 +225,7 @@ class DiskTier:
             try:
                 if dirty and self.error is None:
                     nbytes = self.records[unit].nbytes
-                    view = memoryview(self._mem[slot])[:nbytes]
+                    view = self._mem[slot][:nbytes]
                     written = os.pwrite(self._fds[unit], view, 0)
                     if written != nbytes:
                         raise OSError(f"short write of unit {unit}: {written} of {nbytes} bytes")
@@ -250,7 +257,8 @@ class DiskTier:
             raise RuntimeError("the disk tier failed (see the log)") from self.error
         with self._lock:
             slot = self._slot_of[unit]
-        self.records[unit].point_into(self._tensors[slot].untyped_storage(), 0)
+        slot_bytes = self._tensors[slot]  # a slice of a pinned arena's storage, on CUDA
+        self.records[unit].point_into(slot_bytes.untyped_storage(), slot_bytes.storage_offset())
 
     def release(self, unit: int, dirty: bool = True) -> None:
         """Unit is done with: write it back (if changed), then free its slot."""
@@ -298,6 +306,19 @@ class DiskTier:
             for fd in self._fds:
                 os.close(fd)
             self._finalizer()  # removes the directory, once
+
+
+def _slots(nbytes: int, n: int, alloc: Callable | None) -> list[torch.Tensor]:
+    """`n` page-aligned byte tensors of `nbytes`, as O_DIRECT wants them: anonymous mmaps,
+    or from `alloc` (a pinned arena's slices are aligned; torch's pinned fallback buffers
+    need not be, so each is asked a page longer and cut at the first boundary)."""
+    if alloc is None:
+        return [torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8) for _ in range(n)]
+    out = []
+    for raw in alloc([(nbytes + ALIGN, torch.uint8)] * n):
+        start = -raw.data_ptr() % ALIGN
+        out.append(raw[start : start + nbytes])
+    return out
 
 
 def _done_event() -> threading.Event:

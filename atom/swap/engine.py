@@ -99,7 +99,9 @@ class SwapEngine(UnitPasses, EngineState):
         self.tier: DiskTier | None = None
         if paged:
             records = [UnitRecord(opt.regions()) for opt in self.optimizers]
-            self.tier = DiskTier(cfg.swap.disk_dir, records, cfg.swap.disk_slots)
+            # page-locked slots on CUDA: a card update's state copies are DMA from them
+            alloc = backend.alloc_host_many if backend.pins_host else None
+            self.tier = DiskTier(cfg.swap.disk_dir, records, cfg.swap.disk_slots, alloc)
             self.store.tier = self.tier
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
