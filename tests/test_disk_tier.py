@@ -307,8 +307,8 @@ def test_card_update_on_the_tier_is_bit_identical(tmp_path, swap, train):
     "swap,train",
     [
         ({"card_update": "1-2", "disk_slots": 2}, {}),
-        ({"card_update": "1-2", "update": "eager", "disk_slots": 2}, {}),
-        ({"card_update": "2", "disk_slots": 2}, {"grad_clip": 0.0}),
+        ({"card_update": "1-3", "update": "eager", "disk_slots": 2}, {}),
+        ({"card_update": "2-4", "disk_slots": 2}, {"grad_clip": 0.0}),
         ({"card_update": "1-3", "order": "unit", "disk_slots": 2}, {"grad_accum": 3}),
     ],
     ids=["exact", "eager", "noclip", "unit-accum3"],
@@ -317,7 +317,8 @@ def test_card_and_host_units_share_two_slots(tmp_path, threads, swap, train):
     """GPT (tied embedding and head, so those update on the host) with block units on the
     card, and two RAM slots for everyone's records: reads are asked for in the order the
     updates take them, so nothing waits for a slot held by a later update. Compared on
-    one backend: the inline and the threaded CPU backends differ bit-wise already."""
+    one backend: the inline and the threaded CPU backends differ bit-wise already. Three
+    card units and two slots: a read held for a later update would leave none."""
     model = {"n_layer": 4}
     ram = _stepwise(tiny_config(swap=swap, train=train, model=model), threads)
     on_disk = {**swap, "disk_dir": str(tmp_path)}
