@@ -5,7 +5,7 @@
     python -m tools.bench.attacks resources [--attacks ids,pulls,endless] [--repeats 2]
     python -m tools.bench.attacks takeover [--ids 5] [--steps 150] [--repeats 2]
     python -m tools.bench.attacks dialer [--ids 5] [--steps 600] [--repeats 2]
-    python -m tools.bench.attacks impersonate [--steps 300] [--repeats 2]
+    python -m tools.bench.attacks impersonate [--steps 200] [--repeats 3]
 
 poison     3 honest peers on disjoint shards, trained together through gossip, with and
            without a 4th member that sends poison (POISONS) and claims an averaging
@@ -370,8 +370,8 @@ def main() -> None:
         p.add_argument("--repeats", type=int, default=2)
         p.set_defaults(func=cmd_group)
     p = sub.add_parser("impersonate", help="a keyed impostor serving under others' names")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--own-server", action="store_true", help="she serves as herself too")
     p.set_defaults(func=impersonate.cmd_impersonate)
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Impersonation in a keyed group, measured (issue 41): `attacks impersonate`.
 
-    python -m tools.bench.attacks impersonate [--steps 300] [--repeats 2] [--own-server]
+    python -m tools.bench.attacks impersonate [--steps 200] [--repeats 3] [--own-server]
 
 Three honest members of a keyed group (alice, bob, dave: `atom train --group-key`, each
 its own process, disjoint shards) train with and without an impostor: mallory, a member
@@ -71,6 +71,7 @@ class Impostor:
         self.own_ep = self.servers[f"{MALLORY}/own"][0] if own_server else ""
         self.advs: dict[str, object] = {}  # honest run name -> Adversary over her key
         self.pings = self.in_names = 0
+        self.error = ""
 
     def ep(self, label: str) -> str:
         return self.servers[label][0]
@@ -81,6 +82,13 @@ class Impostor:
 
     def run(self, runs: list[Path], stop: threading.Event) -> None:
         """Until stop: introduce the fakes to every honest member that listens."""
+        try:
+            self._run(runs, stop)
+        except BaseException as err:  # a bench whose impostor died measures nothing
+            self.error = repr(err)
+            raise
+
+    def _run(self, runs: list[Path], stop: threading.Event) -> None:
         import zmq
 
         from tests import gossip_util as gu
@@ -98,12 +106,12 @@ class Impostor:
                     and st.get("endpoint")
                     and (run / "config.json").exists()
                 ):
-                    fp = fp or _fingerprint(run)
-                    try:
+                    try:  # config.json may be half-written yet: again next round
+                        fp = fp or _fingerprint(run)
                         self.advs[run.name] = Adversary(st["endpoint"], st["group"], fp,
                                                         bundle=self.keys / MALLORY,
                                                         name=MALLORY)  # fmt: skip
-                    except (TypeError, zmq.ZMQError):  # its owner not found (yet)
+                    except (ValueError, TypeError, zmq.ZMQError):  # or its owner not found
                         continue
                 adv = self.advs.get(run.name)
                 if adv is None or st.get("state") != "running":
@@ -130,6 +138,8 @@ class Impostor:
             ev.set()
             thread.join(5)
         self.ctx.term()
+        if self.error:
+            raise RuntimeError(f"the impostor stopped: {self.error}")
         return {"pings": self.pings, "pings_in_their_names": self.in_names,
                 "reached": {k: len(v) for k, v in self.seen.items()}}  # fmt: skip
 
