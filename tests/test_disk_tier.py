@@ -103,12 +103,13 @@ def test_slow_writes_never_let_a_unit_come_back_stale(tmp_path, monkeypatch):
     assert got == want
 
 
+@pytest.mark.parametrize("card", ["none", "all"], ids=["host", "card"])
 @pytest.mark.parametrize("direction", ["ram-to-disk", "disk-to-ram"])
-def test_checkpoints_move_between_tiers(tmp_path, direction):
+def test_checkpoints_move_between_tiers(tmp_path, direction, card):
     from atom.store.checkpoint import load_checkpoint, save_checkpoint
 
-    ram = tiny_config()
-    disk = tiny_config(swap={"disk_dir": str(tmp_path / "tier")})
+    ram = tiny_config(swap={"card_update": card})
+    disk = tiny_config(swap={"card_update": card, "disk_dir": str(tmp_path / "tier")})
     (tmp_path / "tier").mkdir()
     first, second = (ram, disk) if direction == "ram-to-disk" else (disk, ram)
     a = SwapEngine(first, CpuBackend(), torch.float32)
