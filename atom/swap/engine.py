@@ -276,7 +276,8 @@ class SwapEngine(UnitPasses, EngineState):
         """A step that raised (a bad batch, an OOM, Ctrl+C inside it) leaves nothing
         half-done: slots are freed, the device finishes what was issued (an offload copy
         may still be writing a host buffer), offloaded inputs go back to their pool, the
-        host worker finishes what it was given, and units whose update was deferred to
+        host worker finishes what it was given, tier records read ahead for card updates
+        that will not come go back unwritten, and units whose update was deferred to
         the end of the step are unblocked without one (their partial gradients are
         overwritten by the next step's first micro-batch). Without this, the next load or
         checkpoint would wait for updates never submitted. A second Ctrl+C in here (the
