@@ -195,6 +195,11 @@ class SwapConfig:
     # nearest the head, whose backward comes first) stay on the device: no round trip for
     # the inputs needed back soonest, where device memory allows (`atom profile` sizes it)
     acts_on_card: int = 0
+    # with offload_activations and disk_dir: units (card_update's syntax: none, all, or
+    # indices such as 1-20) whose offloaded inputs go on to the NVMe tier instead of host
+    # RAM, written behind the forward and read ahead of the backward
+    # (atom/swap/activations.py); for steps whose kept inputs fit neither card nor RAM
+    disk_acts: str = "none"
     # With grad_accum > 1: "unit" runs every micro-batch through a unit while it is loaded
     # (weights cross the bus and gradients come back once per step; the boundary
     # activations of all micro-batches are kept), "micro" runs micro-batch after
@@ -252,6 +257,13 @@ class SwapConfig:
             raise ValueError(
                 "swap.offload_activations needs swap.checkpoint: true (only the "
                 "checkpointed unit inputs are offloaded)"
+            )
+        if self.disk_acts.strip() not in ("", "none") and not (
+            self.offload_activations and self.disk_dir is not None
+        ):
+            raise ValueError(
+                "swap.disk_acts puts offloaded unit inputs on the NVMe tier: it needs "
+                "swap.offload_activations: true and swap.disk_dir set (or disk_acts: none)"
             )
 
 

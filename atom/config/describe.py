@@ -78,6 +78,8 @@ DESCRIPTIONS: dict[str, str] = {
     "swap.offload_activations": "with checkpoint: keep those unit inputs in host memory",
     "swap.acts_on_card": "with offload_activations: the inputs of this many block units "
     "nearest the head stay on the device (their backward comes first)",
+    "swap.disk_acts": "with offload_activations and disk_dir: units (none, all, or indices "
+    "such as 1-20) whose offloaded inputs go to the NVMe tier instead of host RAM",
     "swap.order": "with grad_accum > 1: `unit` (each unit runs every micro-batch while "
     "loaded: weights and gradients cross the bus once a step) or `micro` (micro-batch after "
     "micro-batch: less activation memory, more traffic)",

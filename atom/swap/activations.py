@@ -39,6 +39,7 @@ from atom.swap.pinned import ALIGN, page_aligned
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int]  # (unit, micro-batch)
+INPUT_SLOTS = 4  # RAM slots: the backward reads this many ahead (profiler/tiers.py counts them)
 
 
 class ActivationDisk:
@@ -50,7 +51,7 @@ class ActivationDisk:
         keys: list[Key],
         shape: tuple[int, ...],
         dtype: torch.dtype,
-        n_slots: int = 4,
+        n_slots: int = INPUT_SLOTS,
         alloc: Callable[[list[tuple[int, torch.dtype]]], list[torch.Tensor]] | None = None,
         device: torch.device | str = "cpu",
         streams: bool | None = None,
@@ -73,6 +74,7 @@ class ActivationDisk:
         self.shape, self.dtype = tuple(shape), dtype
         self.nbytes = torch.Size(shape).numel() * dtype.itemsize
         self.stride = page_aligned(max(self.nbytes, 1))
+        self.keys = list(keys)
         self._place = {key: i * self.stride for i, key in enumerate(keys)}
         total = len(keys) * self.stride
         free = shutil.disk_usage(root).free
@@ -186,6 +188,8 @@ class ActivationDisk:
 
     def prefetch(self, key: Key) -> None:
         """Queue key's read; reads run in the order asked: ask in the order of `get`."""
+        if key not in self._writes:  # it would read zeros
+            raise KeyError(f"unit input {key} was never put")
         with self._lock:
             if key not in self._reads:
                 self._reads[key] = self._reader.submit(self._read, key)

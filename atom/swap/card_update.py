@@ -67,15 +67,15 @@ def eligible(units: list[UnitSpec], index: int) -> bool:
     return not any(e.alias_of[0] == index for u in units for e in u.aliases)
 
 
-def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
-    """`swap.card_update` as unit indices: "none", "all" (every eligible unit), or a list
-    such as "1-4,7". Raises ValueError naming the problem (a unit out of range, or one
-    tied to another)."""
+def unit_indices(spec: str, key: str, n_units: int) -> set[int] | None:
+    """A unit list setting (`swap.card_update`, `swap.disk_acts`): the indices it names,
+    set() for "none", None for "all". Raises ValueError naming the setting and the problem
+    (not an index or range, a unit out of range)."""
     spec = spec.strip()
     if spec in ("", "none"):
         return set()
     if spec == "all":
-        return {i for i in range(len(units)) if eligible(units, i)}
+        return None
     chosen: set[int] = set()
     for part in spec.split(","):
         lo, _, hi = part.strip().partition("-")
@@ -83,16 +83,25 @@ def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
             first, last = int(lo), int(hi or lo)
         except ValueError:
             raise ValueError(
-                f"swap.card_update: {part.strip()!r} is not a unit index or range "
+                f"{key}: {part.strip()!r} is not a unit index or range "
                 "(write none, all, or indices such as 1-4,7)"
             ) from None
         chosen.update(range(first, last + 1))
-    bad = sorted(i for i in chosen if not 0 <= i < len(units))
+    bad = sorted(i for i in chosen if not 0 <= i < n_units)
     if bad:
         raise ValueError(
-            f"swap.card_update: unit {bad[0]} does not exist (this model has units "
-            f"0-{len(units) - 1})"
+            f"{key}: unit {bad[0]} does not exist (this model has units 0-{n_units - 1})"
         )
+    return chosen
+
+
+def parse_units(spec: str, units: list[UnitSpec]) -> set[int]:
+    """`swap.card_update` as unit indices: "none", "all" (every eligible unit), or a list
+    such as "1-4,7". Raises ValueError naming the problem (a unit out of range, or one
+    tied to another)."""
+    chosen = unit_indices(spec, "swap.card_update", len(units))
+    if chosen is None:
+        return {i for i in range(len(units)) if eligible(units, i)}
     tied = sorted(i for i in chosen if not eligible(units, i))
     if tied:
         raise ValueError(

@@ -35,6 +35,7 @@ from atom.ground.threads import host_worker_threads
 from atom.model import build_model
 from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_params, wanted
 from atom.model.documents import micro_batch
+from atom.swap.activations import ActivationDisk
 from atom.swap.backend import Backend
 from atom.swap.card_update import CardGradients, CardUpdate, parse_units
 from atom.swap.disk_tier import DiskTier, UnitRecord
@@ -46,7 +47,7 @@ from atom.swap.loss_scaler import LossScaler
 from atom.swap.schedule import GradRun, StepPlan, StepState
 from atom.swap.slots import DeviceSlots, MemoryLedger
 from atom.swap.unit_optimizers import unit_optimizers
-from atom.swap.unit_passes import UnitPasses
+from atom.swap.unit_passes import ON_DISK, UnitPasses
 from atom.swap.units import UnitSpec, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
 
@@ -133,6 +134,10 @@ class SwapEngine(UnitPasses, EngineState):
         # card units whose tier record is asked for and not yet taken by their update, in
         # the order asked (an abandoned step gives them back in that order)
         self._card_reads: list[int] = []
+        # offloaded unit inputs on the NVMe tier (swap.disk_acts): made at the first step,
+        # when the hidden state's shape is known
+        self.disk_inputs = self._disk_input_units()
+        self.acts: ActivationDisk | None = None
         self.d2h_copies = self.d2h_bytes = 0  # gradient copies device -> host (benchmarks)
         self.norm_wait_s = 0.0  # end of step: waiting for the last gradients to land
 
@@ -223,6 +228,7 @@ class SwapEngine(UnitPasses, EngineState):
         n_micro = len(batches)
         N = len(self.units)
         plan = self._plan(n_micro)
+        self._inputs_for_step(plan, n_micro)
         scale = (self.scaler.scale if self.scaler else 1.0) / n_micro
         if self.timing != EAGER:  # eager: the worker resets it when it closes a step
             self._norm_sq = [0.0] * N
@@ -296,9 +302,11 @@ class SwapEngine(UnitPasses, EngineState):
         attempt(self.slots.release_all, "freeing the device slots")
         attempt(self.backend.synchronize, "device synchronize")
         for (u, _), x in st.saved.items():
-            if self._offloaded(u):
+            if self._offloaded(u) and x is not ON_DISK:
                 self.backend.reclaim(x)
         st.saved.clear()
+        if self.acts is not None:
+            attempt(self.acts.discard, "the unit inputs on the disk")
         self.card_grads.clear()
         self.ledger.current = ledger_at_start
         attempt(self.worker.drain, "the host worker")
@@ -542,3 +550,5 @@ class SwapEngine(UnitPasses, EngineState):
                 finally:
                     if self.tier is not None:
                         self.tier.close()
+                    if self.acts is not None:
+                        self.acts.close()
