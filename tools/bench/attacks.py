@@ -53,6 +53,7 @@ if str(ROOT) not in sys.path:
 
 from tests.adversary import honest_group  # noqa: E402
 from tools.bench import impersonate  # noqa: E402
+from tools.bench.attack_runs import fingerprint, interleaved  # noqa: E402
 
 
 def cmd_poison(args: argparse.Namespace) -> None:
@@ -88,19 +89,6 @@ def _victim(run: Path, timeout: float = 120, procs=()) -> dict:
     gu.wait_for(lambda: gu.status(run).get("endpoint") and (run / "config.json").exists(),
                 timeout, "the victim", procs)  # fmt: skip
     return gu.status(run)
-
-
-def _fingerprint(run: Path) -> str:
-    """The victim's model fingerprint, from the config it wrote (as a member knows it)."""
-    from atom.config import Config
-    from atom.gossip.merge import UnitParams
-    from atom.run.train import build_engine
-
-    engine = build_engine(Config.from_dict(json.loads((run / "config.json").read_text())))
-    try:
-        return UnitParams(engine.shared_units()).fingerprint
-    finally:
-        engine.close()
 
 
 def _attack_ids(adv, stop) -> None:
@@ -173,7 +161,7 @@ def attacked_run(work: Path, data: Path, steps: int, attack: str | None) -> dict
         stop = threading.Event()
         thread = None
         if attack is not None:
-            adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
+            adv = Adversary(victim["endpoint"], victim["group"], fingerprint(run))
             adv.victim = victim["id"]
             thread = threading.Thread(target=ATTACKS[attack], args=(adv, stop), daemon=True)
             thread.start()
@@ -204,7 +192,7 @@ def _takeover(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
     run = root / "h0"
     victim = _victim(run)
     sizes = _unit_sizes(run)
-    adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
+    adv = Adversary(victim["endpoint"], victim["group"], fingerprint(run))
     sent = served = 0
     try:
         while not stop.is_set():
@@ -244,7 +232,7 @@ def _dialer(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
     victim = _victim(run)
     listeners = CountingListeners(200)
     eps = listeners.endpoints
-    adv = Adversary(victim["endpoint"], victim["group"], _fingerprint(run))
+    adv = Adversary(victim["endpoint"], victim["group"], fingerprint(run))
     t0, k = time.monotonic(), 0
     try:
         while not stop.is_set():
@@ -267,22 +255,6 @@ def _dialer(root: Path, n_ids: int, stop: threading.Event, out: dict) -> None:
 
 
 ATTACKERS = {"takeover": _takeover, "dialer": _dialer}
-
-
-def interleaved(repeats: int, run) -> list[dict]:
-    """run(root, attacked) -> a result, clean then attacked, `repeats` times (each attacked
-    run beside a clean one), each in a fresh folder; each result printed as a JSON line."""
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(repeats):
-            for attacked in (False, True):
-                root = Path(tmp) / f"r{r}{'a' if attacked else 'c'}"
-                root.mkdir()
-                result = run(root, attacked)
-                result["attacked"] = attacked
-                rows.append(result)
-                print(json.dumps(result, default=str), flush=True)
-    return rows
 
 
 def cmd_group(args: argparse.Namespace) -> None:

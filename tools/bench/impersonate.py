@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+from tools.bench.attack_runs import fingerprint, interleaved
+
 FAKES = ("carol", "zed", "dave")
 MALLORY = "mallory"
 
@@ -93,7 +95,6 @@ class Impostor:
 
         from tests import gossip_util as gu
         from tests.adversary import Adversary
-        from tools.bench.attacks import _fingerprint
 
         fp = None
         k = 0
@@ -107,7 +108,7 @@ class Impostor:
                     and (run / "config.json").exists()
                 ):
                     try:  # config.json may be half-written yet: again next round
-                        fp = fp or _fingerprint(run)
+                        fp = fp or fingerprint(run)
                         self.advs[run.name] = Adversary(st["endpoint"], st["group"], fp,
                                                         bundle=self.keys / MALLORY,
                                                         name=MALLORY)  # fmt: skip
@@ -213,8 +214,6 @@ def impersonated_group(root: Path, steps: int, attacked: bool, own_server: bool 
 
 
 def cmd_impersonate(args) -> None:
-    from tools.bench.attacks import interleaved
-
     run = lambda root, attacked: impersonated_group(root, args.steps, attacked, args.own_server)  # noqa: E731
     rows = interleaved(args.repeats, run)
     base = statistics.mean(r["mean_val_loss"] for r in rows if not r["attacked"])
