@@ -579,3 +579,29 @@ def test_a_file_that_is_there_but_would_not_open_is_not_called_corrupt(
     (ckpt.path / "a.safetensors").unlink()  # really gone: that is damage
     with pytest.raises(CheckpointError, match="corrupt"):
         ckpt.get("a.w")
+
+
+def test_a_small_file_written_atomically_is_never_seen_half_written(tmp_path):
+    """write_text_atomic (config.json, gossip.json): a reader racing 300 rewrites sees the
+    old text or the new, never a part (a plain write_text shows an empty or cut file)."""
+    import threading
+
+    from atom.ground.atomic_dir import write_text_atomic
+
+    path = tmp_path / "config.json"
+    texts = ["a" * 300_000 + "\n", "b" * 200_000 + "\n"]
+    write_text_atomic(path, texts[0])
+    done = threading.Event()
+
+    def writer():
+        for k in range(300):
+            write_text_atomic(path, texts[k % 2])
+        done.set()
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    while not done.is_set():
+        text = path.read_text()
+        assert text in texts, f"a reader saw {len(text)} characters"
+    thread.join(timeout=30)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary left

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from atom.ground.atomic_dir import write_text_atomic
 
 STATUS_FILE = "gossip.json"
 
@@ -28,10 +28,7 @@ class PeerLog(logging.LoggerAdapter):
 
 def write_status(run_dir: Path, status: dict[str, Any]) -> None:
     """Atomic: readers (atom peers, tests) never see a half-written file."""
-    path = Path(run_dir) / STATUS_FILE
-    tmp = path.with_name(f".{STATUS_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(status, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(Path(run_dir) / STATUS_FILE, json.dumps(status, indent=1) + "\n")
 
 
 def read_status(run_dir: Path) -> dict[str, Any]:

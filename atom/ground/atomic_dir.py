@@ -1,6 +1,7 @@
 """Directories that appear whole or not at all: a fully written temp directory is
 renamed into place, and a directory that already exists is swapped atomically (Linux
-renameat2 RENAME_EXCHANGE), so the name never points at nothing, even for an instant."""
+renameat2 RENAME_EXCHANGE), so the name never points at nothing, even for an instant.
+Small files likewise (`write_text_atomic`): a reader sees the old text or the new."""
 
 from __future__ import annotations
 
@@ -8,11 +9,21 @@ import ctypes
 import errno
 import functools
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Written beside `path` and renamed over it: readers (peers, benches, `atom peers`)
+    never see it half-written. The temporary name is this thread's own."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def fsync_dir(path: Path) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from atom.config import Config, ConfigError, model_differences
 from atom.data.tokens import TokenData, check_vocab, default_corpus, peer_seed
+from atom.ground.atomic_dir import write_text_atomic
 from atom.ground.device import resolve_device
 from atom.ground.engine_protocol import Engine
 from atom.ground.errors import TrainingError
@@ -196,7 +197,9 @@ class Trainer:
     def _open_run_dir(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         continue_from(self.out, self.start_step)  # later records and checkpoints: not this run's
-        (self.out / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        # whole or not at all: peers' benches and `atom peers` read it while the run starts
+        config = json.dumps(self.cfg.to_dict(), indent=2) + "\n"
+        write_text_atomic(self.out / "config.json", config)
         from atom.run.loggers import make_loggers
 
         self.loggers = make_loggers(self.cfg.train.logger, self.out, self.start_step,
