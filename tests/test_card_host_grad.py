@@ -39,9 +39,10 @@ def _cfg(card: str, state: str, update: str = "exact", order: str = "unit", accu
     return _config(card, 0.05, update, order, accum, 0, swap=swap)  # 0.05 clips every step
 
 
-def _store_as_before(units, backend, dtype, state, paged, card):
-    """The engine's HostStore as it was: a host gradient for every unit."""
-    return HostStore(units, backend, dtype, state, paged, frozenset())
+def _store_as_before(units, backend, dtype, state, paged, card, *rest):
+    """The engine's HostStore as it was: a host gradient for every unit (`rest`: what else
+    the engine passes, as it is)."""
+    return HostStore(units, backend, dtype, state, paged, frozenset(), *rest)
 
 
 def _run(cfg, dtype, steps: int = STEPS, then=None):
@@ -214,3 +215,57 @@ def test_the_host_ram_estimate_leaves_out_the_card_units_gradients(state, card):
 def test_a_bad_card_unit_list_is_refused_by_the_estimate_as_by_the_engine():
     with pytest.raises(ConfigError, match="unit 9 does not exist"):
         host_bytes_needed(_cfg("9", "fp32"), torch.float32)
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("card", ["all", "1-2"])
+def test_with_the_nvme_tier_card_units_have_no_host_gradient_either(state, card, tmp_path):
+    """The tier pages master and moments; RAM keeps the compute copies and the gradients,
+    none for card units: what the engine holds after a step (RAM slots and scratch
+    included) is the trainer's estimate, exactly."""
+    swap = {"state": state, "compile_update": False, "disk_dir": str(tmp_path)}
+    cfg = _config(card, 0.05, "exact", "unit", 2, 0, swap=swap)
+
+    def held(engine):
+        engine.wait_idle()
+        assert [b.grad.numel() == 0 for b in engine.store.buffers] == [
+            u in CARD_UNITS[card] for u in range(len(engine.units))
+        ]
+        total = engine.store.nbytes() + engine.tier.slot_bytes
+        return total + (engine.optimizers[0].scratch.nbytes if state == "compact" else 0)
+
+    got = _run(cfg, torch.float32, steps=1, then=held)[3]
+    assert host_bytes_needed(cfg, torch.float32)[1] == got
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_with_the_nvme_tier_training_is_bit_for_bit_as_before(state, tmp_path, monkeypatch):
+    """Card units' state paged by the tier: the same bits as with every host gradient."""
+
+    def run(name):
+        (tmp_path / name).mkdir()
+        swap = {"state": state, "compile_update": False, "disk_dir": str(tmp_path / name)}
+        return _run(_config("1-2", 0.05, "eager", "micro", 2, 0, swap=swap), DTYPE[state])
+
+    now = run("now")
+    monkeypatch.setattr(engine_module, "HostStore", _store_as_before)
+    before = run("before")
+    assert now[0] == before[0]
+    _assert_same(now[1], before[1])
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_a_run_with_card_units_resumes_as_if_unbroken(state, tmp_path, text_dataset):
+    """The trainer's own checkpoint and --resume path, card units on: the split run's
+    losses and final weights equal the unbroken run's."""
+    from atom.run.train import Trainer
+    from tests.test_train_resume import final_params, losses
+
+    cfg = _config("1-2", 0.05, "eager", "micro", 2, 0,
+                  swap={"state": state, "compile_update": False},
+                  train={"max_steps": 4, "data": str(text_dataset)})  # fmt: skip
+    Trainer(cfg, tmp_path / "full", progress=False).run()
+    Trainer(cfg, tmp_path / "split", progress=False).run(max_steps=2)
+    Trainer(cfg, tmp_path / "split", resume=tmp_path / "split", progress=False).run()
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
+    _assert_same(final_params(tmp_path / "split"), final_params(tmp_path / "full"))
