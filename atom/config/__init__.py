@@ -238,6 +238,11 @@ class SwapConfig:
     # state: ~4 bytes a parameter each way): for small batches, where the host's update of
     # every parameter each step is the bottleneck.
     card_update: str = "none"
+    # with disk_dir: card-updated units (card_update's syntax) whose compute copy, the
+    # weights that cross the bus, lives on the NVMe tier instead of RAM: read before each
+    # load (forward and backward), written once by the unit's update (atom/swap/weights.py);
+    # for models whose bus copy does not fit RAM. Not resident, host-updated or tied units
+    disk_weights: str = "none"
 
     def __post_init__(self) -> None:
         if self.disk_slots < 2:
@@ -264,6 +269,11 @@ class SwapConfig:
             raise ValueError(
                 "swap.disk_acts puts offloaded unit inputs on the NVMe tier: it needs "
                 "swap.offload_activations: true and swap.disk_dir set (or disk_acts: none)"
+            )
+        if self.disk_weights.strip() not in ("", "none") and self.disk_dir is None:
+            raise ValueError(
+                "swap.disk_weights puts units' compute copies on the NVMe tier: it needs "
+                "swap.disk_dir set (or disk_weights: none)"
             )
 
 

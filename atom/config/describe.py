@@ -80,6 +80,8 @@ DESCRIPTIONS: dict[str, str] = {
     "nearest the head stay on the device (their backward comes first)",
     "swap.disk_acts": "with offload_activations and disk_dir: units (none, all, or indices "
     "such as 1-20) whose offloaded inputs go to the NVMe tier instead of host RAM",
+    "swap.disk_weights": "with disk_dir: card-updated units (none, all, or indices such as "
+    "0-20) whose compute copy (the bus copy of the weights) lives on the NVMe tier",
     "swap.order": "with grad_accum > 1: `unit` (each unit runs every micro-batch while "
     "loaded: weights and gradients cross the bus once a step) or `micro` (micro-batch after "
     "micro-batch: less activation memory, more traffic)",

@@ -213,15 +213,18 @@ class CardUpdate:
         once every copy and kernel is issued; the unit is `ready` again when its last
         piece has landed."""
         buf, tier = self.store.buffers[u], self.store.tier
+        wtier = self.store.wtier if u in self.store.disk_weights else None
         buf.lock.acquire()
         buf.ready.clear()
-        handed_over = paged = False
+        handed_over = paged = weights = False
         # a peer's merge since the slot was loaded: the host master is the newer one
         from_slot = slot is not None and not buf.changed
 
         def give_back() -> None:
             if paged:  # every piece has landed in the record: its write goes out now
                 tier.release(u, dirty=True)
+            if weights:  # the new compute copy too (a load sharing the slot waits for ready)
+                wtier.release(u, dirty=True)
             buf.ready.set()
             buf.lock.release()
 
@@ -229,6 +232,9 @@ class CardUpdate:
             if tier is not None:  # the NVMe tier: master and moments into a RAM slot
                 tier.acquire(u)
                 paged = True
+            if wtier is not None:  # the compute copy on the weights tier: written whole
+                wtier.acquire(u, fresh=True)
+                weights = True
             chunk = self._chunk(buf)
             self.backend.keep_for_side(grad)
             # beside the backward's compute, not in its queue: the compute stream would

@@ -6,7 +6,8 @@ that crosses the bus and the gradient. What a unit needs only for its update (ma
 Adam's moments, 12 bytes per parameter in fp32 state, 6 in compact state) lives on disk,
 read ahead of the update on a reader thread and written back behind it on a writer thread,
 so the host worker that runs updates finds it in RAM and the I/O overlaps the updates of
-other units, as the H2D copies overlap compute.
+other units, as the H2D copies overlap compute. A second tier can hold some units' compute
+copies too (`swap.disk_weights`, atom/swap/weights.py), read ahead of their loads.
 
 Mechanism: a unit's cold tensors are tensor *objects* that the optimizer and the host
 store hold on to (a torch AdamW's params and state, CompactAdamW's codes, master). Paging
@@ -93,12 +94,16 @@ class DiskTier:
     prefetch(u) queues a read (in the order updates will ask); acquire(u) waits until u is
     in a slot (reading it now if nobody asked before); release(u, dirty) queues the write
     back (if dirty) and frees the slot once it is on disk. Reads of a unit wait for its
-    pending write, so a unit never comes back older than it went out."""
+    pending write, so a unit never comes back older than it went out.
+
+    Acquires are counted: a second acquire of a unit in a slot shares that slot (a weights
+    record's next load can come while its update still holds it), a release that leaves
+    holders changes nothing but `dirty` (ORed), and the last one writes and frees."""
 
     def __init__(
         self,
         directory: str | Path,
-        records: list[UnitRecord],
+        records: list[UnitRecord] | dict[int, UnitRecord],
         n_slots: int = 3,
         alloc: Callable[[list[tuple[int, torch.dtype]]], list[torch.Tensor]] | None = None,
     ):
@@ -111,8 +116,11 @@ class DiskTier:
                 "at a directory on a fast disk"
             )
         _remove_stale(root)
-        self.records = records
-        total = sum(r.nbytes for r in records)
+        self.records = records  # indexed by unit either way
+        if not isinstance(records, dict):  # a list: units 0..n-1; a dict: some units
+            records = dict(enumerate(records))
+        self._by_unit = records
+        total = sum(r.nbytes for r in records.values())
         free = shutil.disk_usage(root).free
         if total > free:
             raise ConfigError(
@@ -124,8 +132,10 @@ class DiskTier:
         # removed at interpreter exit too, if close() never ran (an exception on the way out)
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.direct = False
-        self._fds = [self._create(i, r.nbytes) for i, r in enumerate(records)]
-        self._tensors = _slots(max(r.nbytes for r in records), max(2, n_slots), alloc)
+        self._fds: dict[int, int] = {}
+        for i, r in records.items():
+            self._fds[i] = self._create(i, r.nbytes, first=not self._fds)
+        self._tensors = _slots(max(r.nbytes for r in records.values()), max(2, n_slots), alloc)
         self._mem = [memoryview(t.numpy()) for t in self._tensors]  # for preadv and pwrite
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(len(self._mem)):
@@ -134,6 +144,8 @@ class DiskTier:
         self._slot_of: dict[int, int] = {}  # unit -> slot, once its read is done
         self._loaded: dict[int, threading.Event] = {}  # unit -> read done
         self._written: dict[int, threading.Event] = {}  # unit -> its last write done
+        self._holds: dict[int, int] = {}  # unit -> acquires not yet released
+        self._dirty: set[int] = set()  # held units a holder has changed
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -146,7 +158,7 @@ class DiskTier:
         ]
         for t in self._threads:
             t.start()
-        for record in records:
+        for record in records.values():
             record.point_away()
 
     @property
@@ -155,13 +167,13 @@ class DiskTier:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records)
+        return sum(r.nbytes for r in self._by_unit.values())
 
-    def _create(self, index: int, nbytes: int) -> int:
+    def _create(self, index: int, nbytes: int, first: bool) -> int:
         path = self.dir / f"unit_{index:03d}.bin"
         flags = os.O_RDWR | os.O_CREAT
         fd = -1
-        if hasattr(os, "O_DIRECT") and (index == 0 or self.direct):
+        if hasattr(os, "O_DIRECT") and (first or self.direct):
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o600)
                 self.direct = True
@@ -221,8 +233,10 @@ class DiskTier:
             item = self._writes.get()
             if item is None:
                 return
-            unit, slot, dirty = item
+            unit, slot, dirty, after = item
             try:
+                if after is not None:  # a reader of the slot (a copy to the device) is done
+                    after()
                 if dirty and self.error is None:
                     nbytes = self.records[unit].nbytes
                     view = self._mem[slot][:nbytes]
@@ -234,8 +248,9 @@ class DiskTier:
                 self.error = err
                 log.exception("disk tier write failed")
             finally:
-                self._free.put(slot)
-                self._written[unit].set()
+                if slot is not None:
+                    self._free.put(slot)
+                    self._written[unit].set()
 
     # ------------------------------------------------------------------ API
     def prefetch(self, unit: int, fresh: bool = False) -> None:
@@ -257,17 +272,33 @@ class DiskTier:
             raise RuntimeError("the disk tier failed (see the log)") from self.error
         with self._lock:
             slot = self._slot_of[unit]
+            self._holds[unit] = self._holds.get(unit, 0) + 1
         slot_bytes = self._tensors[slot]  # a slice of a pinned arena's storage, on CUDA
         self.records[unit].point_into(slot_bytes.untyped_storage(), slot_bytes.storage_offset())
 
-    def release(self, unit: int, dirty: bool = True) -> None:
-        """Unit is done with: write it back (if changed), then free its slot."""
+    def release(
+        self, unit: int, dirty: bool = True, after: Callable[[], None] | None = None
+    ) -> None:
+        """Unit is done with: write it back (if changed), then free its slot. `after`: run
+        on the writer thread before the slot is written or freed (wait for a copy still
+        reading it)."""
         with self._lock:
+            held = self._holds.get(unit, 1) - 1
+            if dirty:
+                self._dirty.add(unit)
+            if held > 0:
+                self._holds[unit] = held
+                if after is not None:  # the slot outlives this reader: wait for it still
+                    self._writes.put((unit, None, False, after))
+                return
+            self._holds.pop(unit, None)
+            dirty = unit in self._dirty
+            self._dirty.discard(unit)
             slot = self._slot_of.pop(unit)
             del self._loaded[unit]
             self._written[unit] = threading.Event()
         self.records[unit].point_away()
-        self._writes.put((unit, slot, dirty))
+        self._writes.put((unit, slot, dirty, after))
 
     def discard(self, unit: int) -> None:
         """A record read ahead that no update will take (the update skipped, the step
@@ -280,10 +311,19 @@ class DiskTier:
             return
         loaded.wait()
         with self._lock:
+            if self._holds.get(unit):  # someone acquired it after all: theirs to release
+                return
             if unit not in self._slot_of:  # the read failed (self.error): no slot to free
                 del self._loaded[unit]
                 return
         self.release(unit, dirty=False)
+
+    def discard_unheld(self) -> None:
+        """discard() every record read or queued that nobody holds, in the order asked."""
+        with self._lock:
+            units = [u for u in self._loaded if not self._holds.get(u)]
+        for unit in units:
+            self.discard(unit)
 
     def flush(self) -> None:
         """Wait for every queued write."""
@@ -303,7 +343,7 @@ class DiskTier:
             self._writes.put(None)
             for t in self._threads:
                 t.join(timeout=30)
-            for fd in self._fds:
+            for fd in self._fds.values():
                 os.close(fd)
             self._finalizer()  # removes the directory, once
 

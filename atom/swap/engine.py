@@ -50,6 +50,7 @@ from atom.swap.unit_optimizers import unit_optimizers
 from atom.swap.unit_passes import ON_DISK, UnitPasses
 from atom.swap.units import UnitSpec, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
+from atom.swap.weights import DiskWeights, disk_weight_units
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,19 @@ class SwapEngine(UnitPasses, EngineState):
             max(u.n_total for u in self.units), max(crossing, key=lambda d: d.itemsize)
         )
         paged = cfg.swap.disk_dir is not None
-        self.store = HostStore(
-            self.units, backend, compute_dtype, cfg.swap.state, paged, frozenset(self.card_units)
+        # units kept on the device for a whole step, each in a slot of its own: the block
+        # units nearest the head; those updated on the card stay across steps too (their
+        # update writes the new weights into the slot), `persistent`
+        n_res = cfg.swap.resident_units
+        self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
+        self.persistent = frozenset(self.resident_units & self.card_units)
+        on_disk = disk_weight_units(
+            cfg.swap.disk_weights, self.units, self.card_units, self.resident_units
         )
+        self.store = HostStore(
+            self.units, backend, compute_dtype, cfg.swap.state, paged, frozenset(self.card_units),
+            on_disk,
+        )  # fmt: skip
         # paged units' moments live in the tier's records, which the card update reads: no
         # page-locked moments of their own (unused, they would be most of the host RAM)
         self.optimizers = unit_optimizers(
@@ -104,15 +115,15 @@ class SwapEngine(UnitPasses, EngineState):
             alloc = backend.alloc_host_many if backend.pins_host else None
             self.tier = DiskTier(cfg.swap.disk_dir, records, cfg.swap.disk_slots, alloc)
             self.store.tier = self.tier
+        self.wdisk: DiskWeights | None = None
+        if on_disk:  # slots: the device slots' loads, the reads ahead, and an update's
+            ahead = cfg.swap.disk_slots
+            n_wslots = cfg.swap.prefetch + 2 + ahead
+            alloc = backend.alloc_host_many if backend.pins_host else None
+            self.wdisk = DiskWeights(cfg.swap.disk_dir, on_disk, self.store, n_wslots, ahead, alloc)
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)
-        # units kept on the device for a whole step, each in a slot of its own: the block
-        # units nearest the head; those updated on the card stay across steps too (their
-        # update writes the new weights into the slot), `persistent`
-        n_res = cfg.swap.resident_units
-        self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
-        self.persistent = frozenset(self.resident_units & self.card_units)
         own = {u: self.units[u].n_total for u in self.resident_units}
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype, own)
         self.ledger = MemoryLedger(self.slots.nbytes)
@@ -187,9 +198,22 @@ class SwapEngine(UnitPasses, EngineState):
         the owners of its aliases are updated (ready), and no one is writing them (locks)."""
         owners = sorted({unit} | {e.alias_of[0] for e in self.units[unit].aliases})
         bufs = [self.store.buffers[i] for i in owners]
-        self.slots.load(
-            unit, self.store.buffers[unit].compute, [b.ready for b in bufs], [b.lock for b in bufs]
-        )
+        on_disk = self.wdisk is not None and unit in self.wdisk.units
+        src = self.wdisk.source(unit) if on_disk else self.store.buffers[unit].compute
+        slot = self.slots.load(unit, src, [b.ready for b in bufs], [b.lock for b in bufs])
+        if on_disk:
+            self.wdisk.loading(unit, slot.transfer)
+
+    def _acquire(self, unit: int) -> torch.Tensor:
+        """Compute waits for the unit's copy; a weights record it was copied from goes back."""
+        flat = self.slots.acquire(unit)
+        if self.wdisk is not None:
+            self.wdisk.taken(unit)
+        return flat
+
+    def _begin_loads(self, plan: StepPlan) -> None:
+        if self.wdisk is not None:
+            self.wdisk.begin(plan, self.resident_units)
 
     # ------------------------------------------------------------------ schedule
     def _plan(self, n_micro: int) -> StepPlan:
@@ -235,6 +259,7 @@ class SwapEngine(UnitPasses, EngineState):
         st = StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
         self._reload_changed()
+        self._begin_loads(plan)
         try:
             self._advance(plan, -1, None)
             for pos, v in enumerate(plan.visits):
@@ -247,7 +272,7 @@ class SwapEngine(UnitPasses, EngineState):
                 if not self.slots.has(u):
                     self._load(u)
                 self._read_ahead(u, plan.runs.get(pos))
-                flat = self.slots.acquire(u)
+                flat = self._acquire(u)
                 if v.phase == "f" and u < N - 1:
                     st.h[m] = self._forward_unit(u, m, flat, st.h[m], st.saved, st.docs[m])
                 elif v.phase == "f":  # head: forward with grad and its backward right away
@@ -313,6 +338,8 @@ class SwapEngine(UnitPasses, EngineState):
         reads, self._card_reads = self._card_reads, []
         for u in reads:  # read ahead for updates that will not come: in the order asked
             attempt(lambda u=u: self.tier.discard(u), "giving back a tier record")
+        if self.wdisk is not None:  # loads' records (their copies are done), reads ahead
+            attempt(self.wdisk.abandon, "giving back weight records")
         # units whose update was deferred get none: unblocked after what the worker still
         # holds (all of it, unless a Ctrl+C cut the drain short); a failed worker runs the
         # cleanup at once
@@ -515,15 +542,16 @@ class SwapEngine(UnitPasses, EngineState):
         total = torch.zeros((), device=self.backend.device)
         h, targets, docs = {}, {}, {}  # micro -> hidden state, targets, Documents or None
         self._reload_changed()
-        self._advance(plan, -1, None)
+        self._begin_loads(plan)
         try:
+            self._advance(plan, -1, None)
             for pos, v in enumerate(plan.visits):
                 b, u = v.micro, v.unit
                 if u == 0:
                     h[b], targets[b], docs[b] = micro_batch(batches[b], self.backend.device)
                 if not self.slots.has(u):
                     self._load(u)
-                flat = self.slots.acquire(u)
+                flat = self._acquire(u)
                 if u < N - 1:
                     h[b] = run_unit(self.units[u], flat, h[b], docs=docs[b])
                 else:
@@ -532,6 +560,8 @@ class SwapEngine(UnitPasses, EngineState):
                 self._advance(plan, pos, u)
         finally:
             self.slots.release_all(keep=self.persistent)
+            if self.wdisk is not None:
+                self.wdisk.abandon()  # nothing, after a whole pass
         return float(total) / sum(weights)
 
     def close(self) -> None:
@@ -550,5 +580,7 @@ class SwapEngine(UnitPasses, EngineState):
                 finally:
                     if self.tier is not None:
                         self.tier.close()
+                    if self.wdisk is not None:
+                        self.wdisk.tier.close()
                     if self.acts is not None:
                         self.acts.close()

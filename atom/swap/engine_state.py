@@ -18,7 +18,7 @@ from atom.swap.host_store import gather_owned
 
 class EngineState:
     """Mixed into SwapEngine, which provides store, optimizers, worker, scaler,
-    eager_clip, backend, ledger, tier, units and cfg."""
+    eager_clip, backend, ledger, tier, wdisk, units and cfg."""
 
     def wait_idle(self) -> None:
         self.worker.drain()
@@ -72,7 +72,7 @@ class EngineState:
         """Copy weights (and optimizer state) from a checkpoint, by model name."""
         self.wait_idle()
         for u, (buf, opt) in enumerate(zip(self.store.buffers, self.optimizers, strict=True)):
-            with self.store.paged_in(u, fresh=True), buf.lock:
+            with self.store.paged_in(u, fresh=True, weights=True), buf.lock:
                 self.store.load_master(u, get)
                 if has_optim:
                     for key in STATE_KEYS:
@@ -101,6 +101,9 @@ class EngineState:
             if tier
             else ""
         )
+        if self.wdisk is not None:
+            disk += f"; the compute copy of {len(self.wdisk.units)} unit(s) there too, " \
+                    f"{self.wdisk.tier.disk_bytes / 2**30:.2f} GiB"  # fmt: skip
         return EngineInfo(mode, self.backend.pinned_bytes, disk)
 
     def device_peak_bytes(self) -> int:

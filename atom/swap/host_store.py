@@ -16,7 +16,8 @@ Per unit:
 
 With a disk tier (swap.disk_dir, atom/swap/disk_tier.py) master and rem are placeholders
 that point into a RAM slot only while the unit is paged in (`paged`), and compute is always
-its own buffer: what stays in RAM is compute and grad (none for card units).
+its own buffer: what stays in RAM is compute and grad (none for card units). With
+`swap.disk_weights` a card unit's compute is a placeholder too, on a tier of its own.
 """
 
 from __future__ import annotations
@@ -56,10 +57,7 @@ class UnitBuffers:
     # master written on the host (a peer's merge, a checkpoint) since the engine last
     # made a device copy of the unit that it keeps across steps agree with it
     changed: bool = False
-
-    @property
-    def compute_is_master(self) -> bool:
-        return self.compute.data_ptr() == self.master.data_ptr()
+    compute_is_master: bool = False  # compute is master itself (one buffer, both roles)
 
 
 class HostStore:
@@ -71,18 +69,23 @@ class HostStore:
         state: str = "fp32",
         paged: bool = False,
         card: frozenset[int] = frozenset(),
+        disk_weights: frozenset[int] = frozenset(),
     ):
         """`card`: units updated on the device, whose master (and remainder) cross the bus
         for their update too: page-locked with the compute copies (pageable memory copies
         at a fraction of the bus's rate). They have no host gradient (an empty one): 141 GB
         of bf16 on a compact 70B. They are never tied (card_update.eligible), so no alias
-        gradient is folded into or out of them."""
+        gradient is folded into or out of them. `disk_weights`: units whose compute copy is
+        a placeholder pointed into a slot of the weights tier (`wtier`, set by the engine)
+        while paged in, like master with the state tier."""
         self.units = units
         self.compute_dtype = compute_dtype
         self.compact = state == "compact"
         self.master_dtype = torch.bfloat16 if self.compact else torch.float32
         self.paged = paged
         self.tier = None  # the DiskTier, when paged (set by the engine once it is built)
+        self.wtier = None  # the weights' DiskTier, with disk_weights (atom/swap/weights.py)
+        self.disk_weights = disk_weights
         self.buffers: list[UnitBuffers] = []
         # what crosses the bus, asked for at once: one pinned arena on CUDA. master is that
         # buffer when it doubles as the compute copy (same dtype, no tied aliases).
@@ -93,6 +96,7 @@ class HostStore:
         requests = [
             (u.n_owned, self.master_dtype) if same else (u.n_total, compute_dtype)
             for u, same in zip(units, shares, strict=True)
+            if u.index not in disk_weights
         ]
         crossing: dict[tuple[int, str], int] = {}  # (unit, what) -> index in requests
         for u, same in zip(units, shares, strict=True):
@@ -103,8 +107,13 @@ class HostStore:
                 if self.compact:
                     crossing[u.index, "rem"] = len(requests)
                     requests.append((u.n_owned, torch.int16))
-        bus = backend.alloc_host_many(requests)
-        for spec, same, on_bus in zip(units, shares, bus[: len(units)], strict=True):
+        bus = backend.alloc_host_many(requests) if requests else []
+        computes = iter(bus[: len(units) - len(disk_weights)])
+        for spec, same in zip(units, shares, strict=True):
+            if spec.index in disk_weights:
+                on_bus = torch.empty(0, dtype=compute_dtype)  # pointed in by the weights tier
+            else:
+                on_bus = next(computes)
             n = 0 if paged else spec.n_owned  # paged: placeholders until the tier points them
             master = on_bus if same else torch.empty(n, dtype=self.master_dtype)
             if (spec.index, "master") in crossing:
@@ -113,7 +122,7 @@ class HostStore:
             rem = torch.zeros(n, dtype=torch.int16) if self.compact else None
             if (spec.index, "rem") in crossing:
                 rem = bus[crossing[spec.index, "rem"]].zero_()
-            buf = UnitBuffers(spec, master, grad, on_bus, rem)
+            buf = UnitBuffers(spec, master, grad, on_bus, rem, compute_is_master=same)
             buf.ready.set()
             self.buffers.append(buf)
 
@@ -121,25 +130,33 @@ class HostStore:
         return len(self.buffers)
 
     @contextmanager
-    def paged_in(self, index: int, dirty: bool = True, fresh: bool = False):
+    def paged_in(self, index: int, dirty: bool = True, fresh: bool = False, weights=False):
         """Unit's master (and, through the tier, its optimizer state) in RAM for the body;
         written back afterwards if `dirty`. `fresh`: the body sets master and moments
-        anew (zeros unless set), so nothing is read. A no-op without a disk tier."""
-        if self.tier is None:
-            yield
-            return
-        self.tier.acquire(index, fresh)
+        anew (zeros unless set), so nothing is read. `weights`: the compute copy too, where
+        it is on the weights tier (the body refreshes it). A no-op without a disk tier."""
+        wtier = self.wtier if weights and index in self.disk_weights else None
+        if wtier is not None:
+            wtier.acquire(index, fresh)
         try:
-            yield
+            if self.tier is None:
+                yield
+                return
+            self.tier.acquire(index, fresh)
+            try:
+                yield
+            finally:
+                self.tier.release(index, dirty)
         finally:
-            self.tier.release(index, dirty)
+            if wtier is not None:
+                wtier.release(index, dirty)
 
     def init_weights(self, cfg: ModelConfig, seed: int) -> None:
         for i, buf in enumerate(self.buffers):
             values = torch.zeros(buf.spec.n_owned)  # zero padding (units.py)
             for name, view in buf.spec.owned_views(values).items():
                 init_parameter(name, view, cfg, seed)
-            with self.paged_in(i, fresh=True):
+            with self.paged_in(i, fresh=True, weights=True):
                 self.write_master(i, values)
                 self.refresh_compute(i)
 

@@ -105,6 +105,31 @@ def prefetch_windows(visits: list[Visit], depth: int) -> list[list[int]]:
     return windows
 
 
+def load_order(visits: list[Visit], windows: list[list[int]], keep: set[int]) -> list[int]:
+    """The units a step copies to the device, in the order the engine's loads start them
+    (SwapEngine._advance and its visit loop; `keep`: units that stay all step once
+    loaded): what the weights tier reads ahead of (atom/swap/weights.py)."""
+    on: set[int] = set()
+    out: list[int] = []
+
+    def advance(pos: int, done: int | None) -> None:
+        window = windows[pos + 1]
+        if done is not None and done not in window and done not in keep:
+            on.discard(done)
+        for unit in window:
+            if unit not in on:
+                on.add(unit)
+                out.append(unit)
+
+    advance(-1, None)
+    for pos, v in enumerate(visits):
+        if v.unit not in on:
+            on.add(v.unit)
+            out.append(v.unit)
+        advance(pos, v.unit)
+    return out
+
+
 @dataclass
 class StepPlan:
     """Everything about a step that depends only on its shape: computed once, reused."""
