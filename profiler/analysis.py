@@ -18,7 +18,7 @@ counted in the compute dtype; the error is well under the 10% the memory model p
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,6 +74,7 @@ class ModelAnalysis:
     cfg: Config
     units: list[UnitInfo]
     n_params: int
+    _records: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, cfg: Config) -> ModelAnalysis:
@@ -94,9 +95,19 @@ class ModelAnalysis:
         ]
         return cls(cfg, units, sum(u.n_owned for u in units))
 
-    @property
+    # (cached: the planner asks for these for every placement it weighs)
+    @functools.cached_property
     def largest_unit(self) -> int:
         return max(u.n_total for u in self.units)
+
+    @functools.cached_property
+    def largest_block_unit(self) -> int:
+        return max(u.n_total for u in self.units if u.kind == "blocks")
+
+    @functools.cached_property
+    def most_blocks(self) -> int:
+        """Blocks in the largest unit (layers_per_unit, or fewer for a short model)."""
+        return max(u.n_blocks for u in self.units)
 
     def unit_bytes(self, dtype: torch.dtype) -> list[int]:
         return [u.n_total * dtype_bytes(dtype) for u in self.units]
@@ -126,6 +137,12 @@ class ModelAnalysis:
     def record_bytes(self, state: str) -> list[int]:
         """Per unit, the cold state the NVMe tier keeps on disk (master and moments; in
         compact state also the remainder and block scales), 4 KiB-aligned regions."""
+        # asked for every plan the planner prices: once per state (a list not to change)
+        if state not in self._records:
+            self._records[state] = self._record_bytes(state)
+        return self._records[state]
+
+    def _record_bytes(self, state: str) -> list[int]:
         from atom.optim.compact import BLOCK, padded
         from atom.swap.disk_tier import ALIGN
 
@@ -144,7 +161,12 @@ class ModelAnalysis:
         return out
 
     def host_bytes(
-        self, dtype: torch.dtype, state: str = "fp32", disk: bool = False, disk_slots: int = 3
+        self,
+        dtype: torch.dtype,
+        state: str = "fp32",
+        disk: bool = False,
+        disk_slots: int = 3,
+        card: frozenset[int] = frozenset(),
     ) -> int:
         """Host RAM for model state, as atom/swap/host_store.py allocates it.
 
@@ -154,12 +176,17 @@ class ModelAnalysis:
         Plus, per unit, the compute-dtype copy that crosses the bus, except where master is
         that copy (same dtype, no tied aliases), and the gradient of tied aliases.
         disk (swap.disk_dir): master and moments live on disk; RAM keeps the bus copy and
-        the gradient of every unit, and `disk_slots` records of the largest unit."""
+        the gradient of every unit, and `disk_slots` records of the largest unit.
+        card: units updated on the device (swap.card_update), which have no host gradient
+        (their gradient is summed on the device)."""
         from atom.optim.compact import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
 
         compact = state == "compact"
         master_dtype = torch.bfloat16 if compact else torch.float32
-        grads = sum(u.n_total for u in self.units) * dtype_bytes(master_dtype)
+        # the host gradient is in the state's gradient dtype (host_store.py: master's)
+        grads = sum(u.n_total for u in self.units if u.index not in card) * dtype_bytes(
+            master_dtype
+        )
         largest = max(u.n_owned for u in self.units)
         scratch = SCRATCH_BUFFERS * min(CHUNK, padded(largest)) * 4 if compact else 0
         if disk:

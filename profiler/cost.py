@@ -34,10 +34,13 @@ from atom.profiler.analysis import ModelAnalysis, UnitInfo, dtype_bytes
 from atom.profiler.hardware import HardwareSpec
 from atom.profiler.timing import PieceTimes
 from atom.swap.card_update import DEVICE_CHUNK
+from atom.swap.pinned import ALIGN
 
 # Device-memory traffic of the update on the card, bytes a parameter: read gradient,
 # master and moments, write master, moments (and the compute copy), the chunk's copies
 CARD_WORK_BYTES = {"fp32": 32, "compact": 24}
+# the NVMe tier's RAM slots: DiskTier keeps max(2, swap.disk_slots) records in RAM
+TIER_SLOTS = max(2, SwapConfig().disk_slots)
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,14 @@ class Candidate:
     # all the same; the rest offloaded. Not a swap setting: the engine offloads all or none
     acts_on_card: int = 0
     # the tiered plan (profiler/tiers.py): weights, optimizer state and offloaded unit
-    # inputs placed across pinned RAM and the NVMe disk, every update on the card, no host
-    # gradient. Not built in the engine yet: the plan says what it needs (tiers.needs)
+    # inputs placed across RAM and the NVMe disk, every update on the card, no host
+    # gradient. The plan says what of it the engine lacks (tiers.needs)
     tiered: bool = False
+    # the tiered plan's units (swap.card_update's syntax) whose compute copy, optimizer
+    # state and offloaded inputs are on the NVMe disk
+    disk_weights: str = "none"
+    disk_state: str = "none"
+    disk_acts: str = "none"
 
     def swap_settings(self) -> dict:
         """The swap section this candidate means (disk_tier aside: the directory is the
@@ -88,16 +96,40 @@ def card_units(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
     return frozenset(chosen)
 
 
+def format_units(units: set[int] | frozenset[int]) -> str:
+    """Unit indices as swap.card_update writes them: "none", or ranges such as "1-32,34"."""
+    if not units:
+        return "none"
+    runs: list[list[int]] = []
+    for i in sorted(units):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def card_pinned_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
     """Host state the engine page-locks for units updated on the card (HostStore and
     swap/unit_optimizers.py): the moments, the remainder, and the master where it is not
-    the compute copy."""
+    the compute copy. None on the NVMe tier: that state lives in the tier's records, and
+    crosses from its slots (tier_pinned_bytes)."""
+    if c.disk_tier:
+        return 0
     compact = c.state == "compact"
     master_dtype = torch.bfloat16 if compact else torch.float32
     per = 4 + 8 / 256 if compact else 8  # remainder + codes + scales; or two fp32 moments
     if dtype != master_dtype:
         per += dtype_bytes(master_dtype)
     return int(sum(a.units[u].n_owned * per for u in card_units(a, c)))
+
+
+def tier_pinned_bytes(a: ModelAnalysis, c: Candidate) -> int:
+    """The NVMe tier's RAM slots, page-locked on CUDA (swap/disk_tier.py: each asked a page
+    longer, to cut it at a page boundary)."""
+    if not c.disk_tier:
+        return 0
+    return TIER_SLOTS * (max(a.record_bytes(c.state)) + ALIGN)
 
 
 def resident_set(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
@@ -181,8 +213,8 @@ def peak_device_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: 
     hidden = a.hidden_bytes(c.micro_batch, dtype)
     block = a.block_activation_bytes(c.micro_batch, dtype)
     head = a.head_activation_bytes(c.micro_batch, dtype)
-    lpu = max(u.n_blocks for u in a.units)
-    largest_block_unit = max(u.n_total for u in a.units if u.kind == "blocks") * dt
+    lpu = a.most_blocks
+    largest_block_unit = a.largest_block_unit * dt
     head_unit = a.units[-1].n_total * dt
     tokens = c.micro_batch * a.cfg.model.seq_len
     # unit-major with several micro-batches: every micro-batch's boundary state is kept at
@@ -281,9 +313,10 @@ def _card_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool, 
 
 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
-    total = a.host_bytes(dtype, c.state, c.disk_tier)
+    total = a.host_bytes(dtype, c.state, c.disk_tier, card=card_units(a, c))
     if cuda:
         total += staging_bytes(a, c, dtype)
+        total += TIER_SLOTS * ALIGN if c.disk_tier else 0  # the slots' alignment
     if c.offload_activations:
         total += offloaded_bytes(a, c, dtype)
     return total
@@ -498,6 +531,7 @@ def predict(
                 + staging_bytes(a, c, dtype)
                 + (offloaded_bytes(a, c, dtype) if c.offload_activations else 0)
                 + card_pinned_bytes(a, c, dtype)
+                + tier_pinned_bytes(a, c)
             )
             if cuda
             else 0,

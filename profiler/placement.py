@@ -34,6 +34,8 @@ from atom.profiler.cost import (
     Candidate,
     Prediction,
     card_units,
+    format_units,
+    host_bytes,
     peak_device_bytes,
     predict,
     resident_set,
@@ -45,23 +47,9 @@ from atom.profiler.timing import PieceTimes
 HIDDEN_SHARE = 0.05
 
 
-def format_units(units: set[int] | frozenset[int]) -> str:
-    """Unit indices as swap.card_update writes them: "none", or ranges such as "1-32,34"."""
-    if not units:
-        return "none"
-    runs: list[list[int]] = []
-    for i in sorted(units):
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
-
-
 def card_allowed(cfg: Config, shape: Candidate, hw: HardwareSpec) -> str | None:
-    """Why no update of this shape can run on the card, or None where it can."""
-    if shape.disk_tier:
-        return "the NVMe tier updates on the host"
+    """Why no update of this shape can run on the card, or None where it can (on the NVMe
+    tier too: the update pages its unit's record in around it, as the host's does)."""
     if cfg.train.optimizer != "adamw":
         return f"train.optimizer={cfg.train.optimizer} updates on the host"
     if hw.device == "cuda" and hw.card_mem_bps <= 0:
@@ -135,8 +123,22 @@ class Placer:
         if card_allowed(self.cfg, shape, self.hw) is not None or not self.order:
             return list(scored.items())
         clip = self.cfg.train.grad_clip > 0 and self.dtype != torch.float16
+        # every unit on the card needs the least host RAM (no host gradient): where even
+        # that does not fit, the one placement worth weighing is the one with the most
+        # units on the card that fits it (the least RAM a plan of this shape needs)
+        lean = replace(shape, card_update=format_units(set(self.order)))
+        short = host_bytes(self.a, lean, self.dtype, self.cuda) > self.hw.host_mem
         for upd in ("exact", "eager") if clip else (shape.update,):
             score(at(upd, lambda k: set(self.order)))
+            if short:
+                lo, hi = 0, len(self.order)
+                while hi - lo > 1:  # fits with lo units on the card (or lo == 0), none kept
+                    mid = (lo + hi) // 2
+                    card = format_units(self._on_card(0, mid)(0))
+                    fits = self.fits(replace(shape, card_update=card, update=upd))
+                    lo, hi = (mid, hi) if fits else (lo, mid)
+                score(at(upd, self._on_card(0, lo)))
+                continue
             # the resident units on the card, or as many of them as is fastest, those
             # nearest the head (each trades its weights' copies and its host update for
             # its state's copies: where the bus binds, fewer may be faster)

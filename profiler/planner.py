@@ -8,8 +8,8 @@ fit the device budget and host RAM. The host state is chosen in this order, the 
 that fits: fp32 in RAM (exactly plain PyTorch's training), compact in RAM (half the RAM,
 not bit-equal), fp32 on disk, compact on disk (the disk tier needs a disk speed: measured
 in swap.disk_dir, or stated), and last the tiered plan (tiers.py: weights, state and unit
-inputs across RAM and the NVMe disk, every update on the card; not built in the engine yet,
-and the plan says what it needs); within it the fastest predicted plan wins, and of plans
+inputs across RAM and the NVMe disk, every update on the card; the plan says what of it the
+engine lacks, if anything); within it the fastest predicted plan wins, and of plans
 within a few % of it the one that writes the least to the disk. `max_writes` (bytes an
 hour, --max-disk-writes) rules out plans that write more. When nothing fits, `Infeasible`
 says which limit fails, by how much, and what would fit.
@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 
 # 2: swap holds SwapConfig's keys only; the NVMe tier is disk_tier. 3: placement (resident
 # units in every order, swap.card_update, swap.update), with `placement` in words. 4: the
-# tiered plan (`needs`: what the engine lacks to run it) and the disk's life (`disk`)
-PLAN_VERSION = 4
+# tiered plan (`needs`: what the engine lacks to run it) and the disk's life (`disk`). 5: the
+# tiered plan's bytes as the engine holds them (whole units; swap.acts_on_card), its
+# candidate naming the units on the disk, disk_tier set when anything is
+PLAN_VERSION = 5
 # plans within this share of the fastest step count as a tie that the disk's writes break
 WRITE_TIE = 0.03
 
@@ -418,7 +420,8 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
     best = ranked[0].candidate
     if best.state == "fp32" and not best.disk_tier and not best.tiered:
         return []
-    fp32 = [s for s in scored if s.candidate.state == "fp32" and not s.candidate.disk_tier]
+    fp32 = [s for s in scored if s.candidate.state == "fp32" and not s.candidate.disk_tier
+            and not s.candidate.tiered]  # fmt: skip
     fastest = min((s for s in fp32 if s.fits_device), key=lambda s: s.prediction.step_s,
                   default=None)  # fmt: skip
     what = {
@@ -523,7 +526,7 @@ def make_plan(
         micro_batch=c.micro_batch,
         grad_accum=c.grad_accum,
         prediction=best.prediction,
-        disk_tier=c.disk_tier,
+        disk_tier=c.disk_tier or bool(best.prediction.detail.get("disk_bytes")),
         candidates=[s.row() for s in ranked[:20]],
         tiered=c.tiered,
         needs=tiers.needs(c, best.prediction),

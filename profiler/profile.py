@@ -194,8 +194,8 @@ def run_profile(
 
 
 def _tiered_rival(cfg, hw, dtype, target, times_for, best: Scored, max_writes) -> list[str]:
-    """A line on the tiered plan (not built yet) where it would write less than the chosen
-    plan, or run faster."""
+    """A line on the tiered plan where it would write less than the chosen plan, or run
+    faster (and whether the engine runs it yet)."""
     try:
         rival = choose(search(cfg, hw, dtype, target, times_for, max_writes, True), hw, cfg,
                        dtype, max_writes)[0]  # fmt: skip
@@ -204,8 +204,10 @@ def _tiered_rival(cfg, hw, dtype, target, times_for, best: Scored, max_writes) -
     p, q = best.prediction, rival.prediction
     if rival.writes >= best.writes and q.step_s >= p.step_s:
         return []
+    built = "" if tiers.needs(rival.candidate, q) else "; atom trains it"
     return [
-        f"a tiered plan (not built yet: `atom profile --tiered` shows it) would write "
+        f"a tiered plan ({'not built yet: ' * (not built)}`atom profile --tiered` shows it"
+        f"{built}) would write "
         f"{tiers.say_bytes(rival.writes)} a step at {q.tokens_per_s:,.0f} tokens/s, against "
         f"{tiers.say_bytes(best.writes)} at {p.tokens_per_s:,.0f}"
     ]

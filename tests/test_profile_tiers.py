@@ -27,6 +27,16 @@ SMALL = {"arch": "llama", "n_layer": 4, "d_model": 256, "n_head": 4, "vocab_size
          "seq_len": 128}  # fmt: skip
 
 
+# the plan's llama twin (issue 43): the 70B's shape at 1.22M parameters, fp32 state
+TWIN = {"arch": "llama", "n_layer": 6, "d_model": 128, "d_ff": 344, "n_head": 4, "n_kv_head": 2,
+        "vocab_size": 512, "seq_len": 64, "tie_embeddings": False}  # fmt: skip
+TWIN_TRAIN = {"micro_batch": 2, "grad_accum": 4}
+
+
+def twin(**swap):
+    return tiny_config(model=TWIN, train=TWIN_TRAIN, swap={"state": "fp32", **swap})
+
+
 def small(**swap):
     return tiny_config(model=SMALL, train={"micro_batch": 1, "grad_accum": 8},
                        swap={"state": "compact", **swap})  # fmt: skip
@@ -53,7 +63,7 @@ def test_a_70b_plan_on_a_4090_with_128_gib_states_what_it_costs_the_disk(profile
     code, printed, path = profile_70b
     assert code == 0
     saved = json.loads(path.read_text())
-    assert saved["version"] == PLAN_VERSION == 4 and saved["tiered"]
+    assert saved["version"] == PLAN_VERSION == 5 and saved["tiered"] and saved["disk_tier"]
     p = saved["prediction"]
     assert p["tokens_per_s"] >= 150 and p["peak_device_bytes"] <= 24 * GiB
     assert p["host_bytes"] <= 128 * GiB
@@ -71,7 +81,7 @@ def test_a_70b_plan_on_a_4090_with_128_gib_states_what_it_costs_the_disk(profile
     # each kind of byte is said where it lives, and what the engine lacks, in one line
     assert sum(line.startswith("atom: tiered: ") for line in lines) == 4
     [needs] = [line for line in lines if line.startswith("atom: this plan needs")]
-    assert "not built yet" in needs and "282.5 GiB of host RAM" in needs
+    assert "not built yet" in needs and "246.7 GiB of host RAM" in needs
     assert saved["needs"] and all(n in needs for n in saved["needs"])
 
 
@@ -91,12 +101,11 @@ def test_an_older_plan_is_refused_in_one_line(tmp_path):
 
 
 def test_max_disk_writes_below_every_plan_is_one_line_and_exit_2(tmp_path):
-    """A small Llama whose state only fits RAM with part of it on the NVMe disk: a write
+    """The llama twin, whose state only fits RAM with part of it on the NVMe disk: a write
     rate under every plan's is refused, naming the least any plan writes."""
     config = tmp_path / "small.yaml"
-    config.write_text(json.dumps({"model": SMALL, "train": {"micro_batch": 1, "grad_accum": 8},
-                                  "swap": {"state": "compact"}}))  # fmt: skip
-    args = ["profile", "--config", str(config), "--hardware", "rtx4090", "--host-mem", "32MiB",
+    config.write_text(json.dumps({"model": TWIN, "train": TWIN_TRAIN}))
+    args = ["profile", "--config", str(config), "--hardware", "rtx4090", "--host-mem", "10MiB",
             "--out", str(tmp_path / "plan.json")]  # fmt: skip
     code, printed, _ = run_cli(args)
     assert code == 0 and "atom: disk: writes" in printed
@@ -108,9 +117,9 @@ def test_max_disk_writes_below_every_plan_is_one_line_and_exit_2(tmp_path):
 
 
 def test_the_nvme_rating_scales_the_endurance_a_day():
-    cfg = small()
-    plan, _, _ = run_profile(cfg, stated="rtx4090", host_mem=32 * 2**20, progress=False)
-    rated, _, _ = run_profile(cfg, stated="rtx4090", host_mem=32 * 2**20, progress=False,
+    cfg = twin()
+    plan, _, _ = run_profile(cfg, stated="rtx4090", host_mem=10 * 2**20, progress=False)
+    rated, _, _ = run_profile(cfg, stated="rtx4090", host_mem=10 * 2**20, progress=False,
                               nvme_tbw=1200)  # fmt: skip
     assert plan.disk["write_bytes_per_step"] > 0
     assert rated.disk["endurance_per_day"] == pytest.approx(plan.disk["endurance_per_day"] / 2)
@@ -132,11 +141,14 @@ def test_the_plan_writing_less_wins_when_steps_tie():
     assert choose(ram[::-1], hw, cfg, None)[0].prediction.step_s == 100.0
 
 
-def test_ram_fills_with_weights_then_state_then_activations():
-    """Weights first (a byte of them on disk is read twice a step), then the optimizer
-    state, then the offloaded unit inputs; what does not fit goes to the disk, and the
-    disk's reads and writes are those bytes once (weights read twice)."""
+def test_ram_takes_whole_units_weights_then_state_then_inputs():
+    """RAM takes whole units: the weights from the head's side (the disk's are units 0, 1,
+    ...), then the state (all of it or none: swap.disk_dir pages every unit's), then the
+    offloaded inputs from the head's side; each kind on the disk brings its RAM slots, and
+    the disk's bytes are the engine's 4 KiB-aligned records (the compact record holds the
+    bf16 master too)."""
     from atom.profiler.planner import analysis
+    from atom.swap.pinned import page_aligned
 
     cfg = small()
     a = analysis(cfg, 1)
@@ -144,20 +156,39 @@ def test_ram_fills_with_weights_then_state_then_activations():
     hw = stated("rtx4090")
     roomy = tiers.split(a, c, torch.bfloat16, hw)
     assert roomy.on_disk == 0 and roomy.ram_acts == roomy.acts > 0
-    hw.host_mem = 1  # the disk's staging ring, and nothing else in RAM
-    staging = tiers.split(a, c, torch.bfloat16, hw).staging
-    hw.host_mem = staging + roomy.weights + roomy.state // 2
+    assert roomy.ram == roomy.staging + roomy.weights + roomy.state + roomy.acts
+    records = a.record_bytes("compact")
+    w = [u.n_total * 2 for u in a.units]
+    hw.host_mem = roomy.ram - 1  # the state goes to the disk, and the acts fit again
     s = tiers.split(a, c, torch.bfloat16, hw)
-    assert s.ram == hw.host_mem
-    assert s.ram_weights == s.weights and s.ram_state == s.state // 2 and s.ram_acts == 0
-    assert s.reads == 2 * s.disk_weights + s.disk_state + s.disk_acts
-    assert s.writes == s.disk_state + s.disk_acts and s.disk_weights == 0
+    assert (s.state_units, s.weight_units, s.input_units) == ("all", "none", "none")
+    assert s.disk_state == s.state == sum(records) and s.ram_weights == s.weights
+    assert s.reads == s.writes == sum(records) and s.ram <= hw.host_mem
+    # a byte short of every unit's weights: the inputs (after the weights) all go to the
+    # disk, and their slots and units 0.. (as many as pay for the slots of weights loaded
+    # from it) make room; those weights are read twice, written once
+    one = page_aligned(a.hidden_bytes(1, torch.bfloat16))
+    hw.host_mem = s.staging + sum(w) - 1
+    t = tiers.split(a, c, torch.bfloat16, hw)
+    first, _, last = t.weight_units.partition("-")
+    k = int(last or first) + 1
+    assert first == "0" and 0 < k < len(a.units), t.weight_units  # the head stays
+    assert t.ram_weights == sum(w[k:]) and t.ram <= hw.host_mem
+    n_in = len(a.units) - 2
+    assert t.input_units == f"1-{n_in}" and t.ram_acts == 0 and t.disk_acts == 64 * one * n_in
+    aligned = sum(page_aligned(x) for x in w[:k])
+    assert t.disk_weights == aligned and t.forward_reads == aligned
+    assert t.writes == aligned + sum(records) + t.disk_acts
+    # prefetch 1: the forward's last unit stays on the card for the backward, read once
+    turn = len(a.units) - 2
+    again = aligned - (page_aligned(w[turn]) if k > turn else 0)
+    assert t.reads == aligned + again + sum(records) + t.disk_acts
 
 
 def test_a_slow_disk_binds_the_step(tmp_path):
-    cfg = small()
-    fast, _, _ = run_profile(cfg, stated="rtx4090", host_mem=32 * 2**20, progress=False)
-    hw = stated("rtx4090", host_mem=32 * 2**20)
+    cfg = twin()
+    fast, _, _ = run_profile(cfg, stated="rtx4090", host_mem=10 * 2**20, progress=False)
+    hw = stated("rtx4090", host_mem=10 * 2**20)
     spec = tmp_path / "slow-disk.json"
     spec.write_text(json.dumps({**hw.to_dict(), "disk_read_bps": 5e7, "disk_write_bps": 2.5e7}))
     slow, _, _ = run_profile(cfg, stated=str(spec), progress=False)
@@ -172,3 +203,120 @@ def test_no_tiered_plan_for_tied_weights_or_another_optimizer():
         run_profile(gpt, stated="rtx4090", host_mem=GiB, progress=False, only_tiered=True)
     plan, _, _ = run_profile(small(), stated="rtx4090", host_mem=GiB, progress=False)
     assert not plan.tiered and not plan.needs and plan.disk["write_bytes_per_step"] == 0
+
+
+# a CPU stated as the issue's card is: the "card" is host memory under --gpu-mem, the disk
+# a consumer NVMe drive
+CPU = {"name": "CPU (stated)", "device": "cpu", "device_mem": GiB, "host_mem": GiB,
+       "h2d_bps": 5e9, "d2h_bps": 1e300, "duplex_h2d_bps": 5e9, "matmul_flops": 5e10,
+       "adam_s_per_param": 2e-9, "accum_s_per_param": 5e-10, "host_shares_compute": True,
+       "disk_read_bps": 3e9, "disk_write_bps": 1.5e9}  # fmt: skip
+
+
+def twin_caps(weights_in_ram: float) -> tuple[int, int]:
+    """(gpu_mem, host_mem) from the twin's analysis: the card holds two units kept across
+    steps and every unit input of 4 x 2; RAM the state tier's slots, the slots of weights
+    loaded from the disk, and `weights_in_ram` of the weights."""
+    from atom.profiler.cost import peak_device_bytes
+    from atom.profiler.planner import analysis
+    from atom.swap.pinned import page_aligned
+
+    a = analysis(twin(), 1)
+    w = [u.n_total * 4 for u in a.units]
+    card = Candidate(1, 0, 4, 2, True, False, resident_units=2, card_update="all",
+                     update="eager", tiered=True)  # fmt: skip
+    gpu = peak_device_bytes(a, card, torch.float32, cuda=False)
+    slots = tiers.STATE_SLOTS * max(a.record_bytes("fp32")) + 3 * page_aligned(max(w))
+    return gpu, slots + int(sum(w) * weights_in_ram)
+
+
+def twin_plan(tmp_path, gpu: int, host: int):
+    spec = tmp_path / "cpu.json"
+    spec.write_text(json.dumps(CPU))
+    plan, _, _ = run_profile(twin(), stated=str(spec), gpu_mem=gpu, host_mem=host,
+                             progress=False, only_tiered=True)  # fmt: skip
+    return plan
+
+
+def test_the_twin_plan_has_the_70b_shape(tmp_path):
+    """The llama twin on a CPU with the card and RAM capped (issue 43): unit-major over
+    several micro-batches, every update on the card, units kept there across steps, the
+    weights partly on the NVMe tier (units 0..), the state all on it."""
+    gpu, host = twin_caps(0.5)
+    plan = twin_plan(tmp_path, gpu, host)
+    s = plan.prediction.detail["tiers"]
+    assert plan.tiered and plan.disk_tier and plan.grad_accum > 1
+    assert plan.swap["order"] == "unit" and plan.swap["card_update"] == "all"
+    assert plan.swap["resident_units"] >= 1
+    assert s["weight_units"].startswith("0-") and 0 < s["ram_weights"] < s["weights"]
+    assert s["state_units"] == "all" and s["disk_state"] == s["state"] > 0
+    assert plan.prediction.peak_device_bytes <= gpu and plan.prediction.host_bytes <= host
+    assert plan.disk["write_bytes_per_step"] == s["disk_weights"] + s["disk_state"] + s["disk_acts"]
+    # what the engine lacks for it: the weights on the tier (issue 43 (c)), only
+    assert plan.needs == ["weights on the NVMe tier (it keeps every unit's bus copy in RAM)"]
+
+
+def run_twin(plan, tmp_path, steps: int = 3) -> tuple[int, int, int]:
+    """The plan applied and trained on the CPU backend: the bytes the NVMe tier (state)
+    and the activation disk read and wrote in the last step, and the RAM the engine holds
+    (host store, the tier's slots and the activation disk's)."""
+    from atom.swap.backend import CpuBackend
+    from atom.swap.engine import SwapEngine
+    from tests.test_swap_equivalence import batches_for
+
+    disk = tmp_path / "tier"
+    disk.mkdir()
+    cfg = plan.apply(twin(disk_dir=str(disk)))
+    engine = SwapEngine(cfg, CpuBackend(), torch.float32)
+    try:
+        counts = []
+        for step in range(steps):
+            engine.train_step(batches_for(step, cfg, vocab=TWIN["vocab_size"]), 1e-3)
+            engine.wait_idle()
+            engine.tier.flush()
+            tiers_ = [engine.tier] + ([engine.acts] if engine.acts else [])
+            counts.append((sum(t.bytes_read for t in tiers_), sum(t.bytes_written for t in tiers_)))
+        ram = engine.store.nbytes() + engine.tier.slot_bytes
+        ram += engine.acts.slot_bytes if engine.acts else 0
+    finally:
+        engine.close()
+    (r1, w1), (r2, w2) = counts[-2:]
+    return r2 - r1, w2 - w1, ram
+
+
+def test_the_twins_disk_bytes_are_what_the_engine_counts(tmp_path):
+    """With every weight in RAM and the state on the NVMe tier, the twin's plan is one the
+    engine runs (it needs nothing more, and applies): a step reads and writes on the tier
+    the bytes the plan says, and the RAM the engine holds (host store and tier slots) is
+    the plan's host figure."""
+    plan = twin_plan(tmp_path, *twin_caps(1.0))
+    s = plan.prediction.detail["tiers"]
+    assert plan.disk_tier and s["weight_units"] == "none" and s["state_units"] == "all"
+    assert s["input_units"] == "none" and plan.needs == []
+    assert plan.swap["card_update"] == "all" and plan.swap["resident_units"] >= 1
+    read, written, ram = run_twin(plan, tmp_path)
+    assert (read, written) == (plan.disk["read_bytes_per_step"], plan.disk["write_bytes_per_step"])
+    assert ram + s["ram_acts"] == plan.prediction.host_bytes
+
+
+def test_the_twins_unit_inputs_on_the_disk_are_what_the_engine_counts(tmp_path):
+    """A card with no room for unit inputs and RAM for two units' of them, beside every
+    weight and the tiers' slots: the others go to the disk (units 1.., swap.disk_acts), and
+    a step's reads and writes there and the RAM held are the plan's, to the byte."""
+    from atom.profiler.cost import peak_device_bytes
+    from atom.profiler.planner import analysis
+    from atom.swap.pinned import page_aligned
+
+    a = analysis(twin(), 1)
+    one = a.hidden_bytes(4, torch.float32) * 2  # a unit's inputs at 4 x 2
+    shape = Candidate(1, 0, 4, 2, True, True, card_update="all", update="eager", tiered=True)
+    gpu = peak_device_bytes(a, shape, torch.float32, cuda=False)
+    host = (tiers.STATE_SLOTS * max(a.record_bytes("fp32")) + sum(u.n_total * 4 for u in a.units)
+            + tiers.INPUT_SLOTS * page_aligned(one // 2) + 2 * one)  # fmt: skip
+    plan = twin_plan(tmp_path, gpu, host)
+    s = plan.prediction.detail["tiers"]
+    assert s["weight_units"] == "none" and s["input_units"].startswith("1-") and s["ram_acts"]
+    assert plan.swap["disk_acts"] == s["input_units"] and plan.needs == []
+    read, written, ram = run_twin(plan, tmp_path)
+    assert (read, written) == (plan.disk["read_bytes_per_step"], plan.disk["write_bytes_per_step"])
+    assert ram + s["ram_acts"] == plan.prediction.host_bytes

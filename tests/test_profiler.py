@@ -18,7 +18,7 @@ from atom.cli import main
 from atom.config import CONFIG_DIR, ConfigError, load_config, replace
 from atom.model import build_model, materialize
 from atom.profiler.analysis import ModelAnalysis, block_activation_elements_per_token
-from atom.profiler.cost import Candidate, peak_device_bytes
+from atom.profiler.cost import Candidate, host_bytes, peak_device_bytes
 from atom.profiler.hardware import PRESETS, GiB
 from atom.profiler.planner import Plan
 from atom.profiler.profile import run_profile
@@ -295,15 +295,17 @@ def test_measured_profile_backs_off_a_micro_batch_that_runs_out_of_memory(monkey
     assert all(r.candidate.micro_batch < 4 for r in ranked)
 
 
+@pytest.mark.parametrize("card", ["none", "all"])
 @pytest.mark.parametrize("disk", [False, True], ids=["ram", "disk"])
 @pytest.mark.parametrize("state", ["fp32", "compact"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_host_estimate_is_what_the_engine_allocates(state, tied, disk, tmp_path):
+def test_host_estimate_is_what_the_engine_allocates(state, tied, disk, card, tmp_path):
     """The profiler's host-RAM figure (also the trainer's up-front refusal) against the
     bytes the swap engine holds after a step: master, gradient, compute copy, optimizer
     state (and compact's compensation, block scales and scratch); with the NVMe tier the
-    RAM slots, and on disk the records."""
-    swap = {"state": state, "disk_dir": str(tmp_path) if disk else None}
+    RAM slots, and on disk the records. Units updated on the card (swap.card_update all:
+    every unit not tied to another) have no host gradient."""
+    swap = {"state": state, "disk_dir": str(tmp_path) if disk else None, "card_update": card}
     cfg = tiny_config(model={"tie_embeddings": tied}, swap=swap)
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     try:
@@ -325,7 +327,14 @@ def test_host_estimate_is_what_the_engine_allocates(state, tied, disk, tmp_path)
     finally:
         engine.close()
     a = ModelAnalysis.of(cfg)
-    estimate = a.host_bytes(torch.float32, state, disk, cfg.swap.disk_slots)
+    on_card = frozenset(engine.card_units)
+    assert len(on_card) == (0 if card == "none" else len(a.units) - 2 * tied)
+    assert all(engine.store.buffers[u].grad.numel() == 0 for u in on_card)
+    estimate = a.host_bytes(torch.float32, state, disk, cfg.swap.disk_slots, on_card)
+    c = Candidate(cfg.swap.layers_per_unit, cfg.swap.prefetch, cfg.train.micro_batch,
+                  cfg.train.grad_accum, cfg.swap.checkpoint, False, state=state, disk_tier=disk,
+                  card_update=card)  # fmt: skip
+    assert estimate == host_bytes(a, c, torch.float32, cuda=False)  # what plans count
     if disk:
         assert estimate == held
         assert sum(a.record_bytes(state)) == disk_bytes
@@ -343,9 +352,10 @@ def test_disk_speed_is_measured_in_the_directory(tmp_path):
 
 def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     """llama-7b on a stated 24 GiB card: fp32 state with 128 GiB of RAM; compact state,
-    with a note naming the cost, at 64 GiB; compact state on the NVMe tier (the preset's
-    disk speed) at 32 GiB; at 24 GiB only the tiered plan (not built yet), which atom train
-    refuses in one line."""
+    with a note naming the cost, at 64 GiB; fp32 state on the NVMe tier (the preset's disk
+    speed), every unit updated on the card (no host gradient), at 32 GiB; compact on the
+    tier at 24 GiB; at 16 GiB only the tiered plan, whose weights and unit inputs on the
+    disk the engine lacks, which atom train refuses in one line."""
     cfg = load_config("llama-7b")
     plan, _, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=128 * GiB, progress=False
@@ -361,7 +371,7 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     plan, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=32 * GiB, progress=False
     )
-    assert plan.swap["state"] == "compact" and plan.disk_tier
+    assert plan.swap["state"] == "fp32" and plan.disk_tier and plan.swap["card_update"] != "none"
     assert all(s.candidate.disk_tier for s in ranked)
     assert plan.prediction.host_bytes <= 32 * GiB
     assert "on disk in swap.disk_dir" in plan.notes[0]
@@ -371,8 +381,11 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     assert plan.apply(replace(cfg, swap={"disk_dir": "/tmp"})).swap.disk_dir == "/tmp"
     plan, _, _ = run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=24 * GiB,
                              progress=False)  # fmt: skip
+    assert plan.swap["state"] == "compact" and plan.disk_tier and not plan.tiered
+    plan, _, _ = run_profile(cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=16 * GiB,
+                             progress=False)  # fmt: skip
     assert plan.tiered and plan.needs
-    assert "a plan atom trains today needs 28.9 GiB of host RAM" in plan.notes[-1]
+    assert "a plan atom trains today needs 19.0 GiB of host RAM" in plan.notes[-1]
     with pytest.raises(ConfigError, match="does not run yet") as err:
         plan.apply(replace(cfg, swap={"disk_dir": "/tmp"}))
     assert "\n" not in str(err.value)
