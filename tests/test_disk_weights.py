@@ -48,9 +48,10 @@ def _settled(engine) -> tuple[int, int]:
     return engine.wdisk.tier.bytes_read, engine.wdisk.tier.bytes_written
 
 
-def _stepwise(cfg, threads: bool, steps: int = STEPS, engine=None, start: int = 0):
+def _stepwise(cfg, threads: bool, steps: int = STEPS, engine=None, start: int = 0, dtype=None):
     """Losses, parameters, each step's weight-tier (bytes read, bytes written), engine."""
-    engine = engine or SwapEngine(cfg, CpuBackend(helper_threads=threads), torch.float32)
+    backend = CpuBackend(helper_threads=threads)
+    engine = engine or SwapEngine(cfg, backend, dtype or torch.float32)
     try:
         marks, losses = [_settled(engine)], []  # the first: after the initial weights
         for s in range(start, start + steps):
@@ -104,6 +105,24 @@ def test_weights_on_the_tier_are_bit_identical(tmp_path, threads, swap, train):
         engine.units[u].n_total * 4 for u in (0, 1, 2)
     )
     assert not any((tmp_path / "b").iterdir())
+
+
+@pytest.mark.parametrize(
+    "swap,train",
+    [({}, {}), ({"update": "eager", "order": "micro"}, {"grad_accum": 2})],
+    ids=["exact", "eager-micro-accum2"],
+)
+def test_compact_state_with_bf16_weights_on_the_tier(tmp_path, swap, train):
+    """The 70B plan's shape: compact state, a bf16 compute copy on the tier."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    swap = {"state": "compact", "compile_update": False, **swap}
+    ram = _stepwise(_config(tmp_path / "a", swap, train, None), False, dtype=torch.bfloat16)
+    disk = _stepwise(_config(tmp_path / "b", swap, train, "all"), False, dtype=torch.bfloat16)
+    _same_training(ram, disk)
+    records = disk[3].wdisk.tier.records
+    assert all(r.regions[0][0].dtype == torch.bfloat16 for r in records.values())
+    assert all(w == sum(r.nbytes for r in records.values()) for _, w in disk[2])
 
 
 def test_a_unit_kept_across_the_turn_is_read_once(tmp_path):

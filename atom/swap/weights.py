@@ -75,7 +75,9 @@ class DiskWeights:
         store.wtier = self.tier
         self.store, self.units, self.ahead = store, units, ahead
         self._copying: dict[int, Transfer] = {}  # loads whose copy may still read the slot
-        self._orders: dict[int, list[int]] = {}  # id(plan) -> its loads of disk units
+        # id(plan) -> (the plan, its loads of disk units); the plan is kept so that its id
+        # is not reused by another (set_schedule drops the engine's plans)
+        self._orders: dict[int, tuple[StepPlan, list[int]]] = {}
         self._order: list[int] = []
         self._next = 0
 
@@ -84,8 +86,8 @@ class DiskWeights:
         key = id(plan)
         if key not in self._orders:
             order = load_order(plan.visits, plan.windows, keep)
-            self._orders[key] = [u for u in order if u in self.units]
-        self._order, self._next = self._orders[key], 0
+            self._orders[key] = (plan, [u for u in order if u in self.units])
+        self._order, self._next = self._orders[key][1], 0
 
     def source(self, u: int) -> torch.Tensor:
         """Before u's load: its record in a slot, the next loads' reads queued; returns the
