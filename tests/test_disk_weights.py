@@ -23,6 +23,7 @@ from atom.swap import disk_tier
 from atom.swap.backend import CpuBackend
 from atom.swap.engine import SwapEngine
 from atom.swap.schedule import load_order
+from atom.swap.weights import weight_slots
 from tests.conftest import tiny_config
 from tests.test_disk_tier import _same_training
 from tests.test_swap_equivalence import batches_for
@@ -93,6 +94,8 @@ def test_weights_on_the_tier_are_bit_identical(tmp_path, threads, swap, train):
     _same_training(ram, disk)
     engine = disk[3]
     assert engine.wdisk.units == {0, 1, 2}
+    # what the profiler's tiered split counts (profiler/tiers.py): prefetch + 3 slots
+    assert len(engine.wdisk.tier._tensors) == weight_slots(engine.cfg.swap.prefetch) == 4
     records = engine.wdisk.tier.records
     loads = _loads_per_step(engine, train.get("grad_accum", 1))
     assert ram[2] == [(0, 0)] * STEPS

@@ -50,7 +50,7 @@ from atom.swap.unit_optimizers import unit_optimizers
 from atom.swap.unit_passes import ON_DISK, UnitPasses
 from atom.swap.units import UnitSpec, partition, run_unit
 from atom.swap.update_timing import EAGER, EXACT, IMMEDIATE, EagerClip, resolve_timing
-from atom.swap.weights import DiskWeights, disk_weight_units
+from atom.swap.weights import DiskWeights, disk_weight_units, weight_slots
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,10 @@ class SwapEngine(UnitPasses, EngineState):
             self.tier = DiskTier(cfg.swap.disk_dir, records, cfg.swap.disk_slots, alloc)
             self.store.tier = self.tier
         self.wdisk: DiskWeights | None = None
-        if on_disk:  # slots: the device slots' loads, the reads ahead, and an update's
-            ahead = cfg.swap.disk_slots
-            n_wslots = cfg.swap.prefetch + 2 + ahead
+        if on_disk:
+            n_wslots = weight_slots(cfg.swap.prefetch)
             alloc = backend.alloc_host_many if backend.pins_host else None
-            self.wdisk = DiskWeights(cfg.swap.disk_dir, on_disk, self.store, n_wslots, ahead, alloc)
+            self.wdisk = DiskWeights(cfg.swap.disk_dir, on_disk, self.store, n_wslots, alloc)
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)

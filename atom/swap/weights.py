@@ -9,7 +9,8 @@ into a RAM slot only while the record is held (as master does with the state tie
   unit; the tier's writer waits for the copy's CUDA event before freeing the slot). The
   copy reads a view of the slot of its own, so the record's tensor may be re-pointed
   meanwhile;
-- loads are read ahead in the step's load order (schedule.load_order), `ahead` of them;
+- loads are read ahead in the step's load order (schedule.load_order), READ_AHEAD of them
+  beyond the one starting;
 - the card update acquires the record fresh (it writes every element: nothing is read)
   and releases it dirty once its last piece has landed: one write a step. A load of the
   same unit while the update still holds it shares the slot (the tier counts holders) and
@@ -32,6 +33,18 @@ from atom.swap.card_update import eligible, unit_indices
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.schedule import StepPlan, load_order
 from atom.swap.units import UnitSpec
+
+# loads read ahead beyond those the device slots have started: a unit's read (a 70B block,
+# 1.7 GB at a few GB/s) is far shorter than its compute, so one is enough, and each slot
+# is a unit's weights of RAM
+READ_AHEAD = 1
+
+
+def weight_slots(prefetch: int) -> int:
+    """RAM slots of the weights tier: the device slots' loads (prefetch + 1), the reads
+    ahead, and one for a card update (it holds its unit's record until its last landing).
+    Fewer could leave a load waiting for a slot only the training thread would free."""
+    return prefetch + 1 + READ_AHEAD + 1
 
 
 def disk_weight_units(spec: str, units: list[UnitSpec], card: set[int], resident: set[int]):
@@ -65,7 +78,7 @@ def _copied(t: Transfer) -> None:
 
 
 class DiskWeights:
-    def __init__(self, directory, units: frozenset[int], store, n_slots: int, ahead: int, alloc):
+    def __init__(self, directory, units: frozenset[int], store, n_slots: int, alloc):
         records = {}
         for u in sorted(units):
             compute = store.buffers[u].compute
@@ -73,7 +86,7 @@ class DiskWeights:
             records[u] = UnitRecord([Region(compute.dtype, n, [(compute, 0, (n,))])])
         self.tier = DiskTier(directory, records, n_slots, alloc)
         store.wtier = self.tier
-        self.store, self.units, self.ahead = store, units, ahead
+        self.store, self.units = store, units
         self._copying: dict[int, Transfer] = {}  # loads whose copy may still read the slot
         # id(plan) -> (the plan, its loads of disk units); the plan is kept so that its id
         # is not reused by another (set_schedule drops the engine's plans)
@@ -96,7 +109,7 @@ class DiskWeights:
         k = self._next
         if k < len(self._order) and self._order[k] == u:
             self._next = k + 1
-            for v in self._order[k + 1 : k + 1 + self.ahead]:
+            for v in self._order[k + 1 : k + 1 + READ_AHEAD]:
                 self.tier.prefetch(v)
         return self.store.buffers[u].compute.view(-1)
 
