@@ -49,12 +49,12 @@ from atom.profiler.hardware import GiB, HardwareSpec
 from atom.swap.activations import INPUT_SLOTS
 from atom.swap.landing import crossing_dtype
 from atom.swap.pinned import ALIGN, page_aligned
+from atom.swap.weights import weight_slots
 
-# RAM slots of each kind on the disk: the state tier's records (cost.TIER_SLOTS); the
-# weights, one per unit loaded ahead and two (the unit computing, the one being written
-# back); the unit inputs, ActivationDisk's (INPUT_SLOTS, one page-aligned input each)
+# RAM slots of each kind on the disk, the engine's: the state tier's records
+# (cost.TIER_SLOTS); the weights' (weights.weight_slots: the device slots' loads, one read
+# ahead, one card update's); the unit inputs' (INPUT_SLOTS, one page-aligned input each)
 STATE_SLOTS = TIER_SLOTS
-WEIGHT_SLOTS_BEYOND_PREFETCH = 2
 # A common consumer drive's rated endurance: 600 TB written for a 1 TB PCIe4 drive
 # (Samsung 990 Pro 1TB and WD Black SN850X 1TB data sheets: 600 TBW; 1,200 at 2 TB)
 DEFAULT_TBW = 600.0
@@ -149,13 +149,16 @@ def _ram_from_head(sizes: list[int], free: int) -> int:
     return len(sizes)
 
 
-def _weights_on_disk(a: ModelAnalysis, c: Candidate, w: list[int], free: int) -> tuple[int, int]:
+def _weights_on_disk(
+    a: ModelAnalysis, c: Candidate, w: list[int], free: int, pad: int
+) -> tuple[int, int]:
     """(k, slots' bytes): units 0..k-1 keep their weights on the disk, the rest in `free`
     bytes of RAM beside the slots that the disk's weights are loaded through. The head
     and the units kept on the card across steps keep theirs in RAM (the update lands their
-    new weights there; they never stream)."""
-    on_disk = [page_aligned(x) for x in w]
-    slots = c.prefetch + 1 + WEIGHT_SLOTS_BEYOND_PREFETCH
+    new weights there; they never stream). `pad`: what each slot is asked beyond its record
+    (a page on CUDA, to start it on a page boundary)."""
+    on_disk = [page_aligned(x) + pad for x in w]
+    slots = weight_slots(c.prefetch)
     most = len(w) - 1 - c.resident_units
     k, ring = min(most, _ram_from_head(w, free)), 0
     while k and ring != slots * max(on_disk[:k]):
@@ -181,10 +184,11 @@ def split(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, hw: HardwareSpec) 
     # the state on the disk: every unit's record, read before its update, written after
     records = a.record_bytes(c.state)
     # (on CUDA each slot is page-locked a page longer, to start it on a page boundary)
-    state_ring = STATE_SLOTS * (max(records) + (ALIGN if hw.device == "cuda" else 0))
+    pad = ALIGN if hw.device == "cuda" else 0
+    state_ring = STATE_SLOTS * (max(records) + pad)
     free = hw.host_mem - fixed - state_ring
     per = [one * m] * n_off  # the offloaded inputs of a unit, all micro-batches'
-    k, ring = _weights_on_disk(a, c, w, free)
+    k, ring = _weights_on_disk(a, c, w, free, pad)
     left = free - ring - sum(w[k:])
     # unit inputs: those of the units nearest the embedding on the disk (written first,
     # read last), every micro-batch's at its own aligned place, through their RAM slots
@@ -192,7 +196,7 @@ def split(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, hw: HardwareSpec) 
     if _ram_from_head(per, left):
         act_ring = INPUT_SLOTS * page_aligned(one)
         if left < act_ring:  # the weights make room for the slots
-            k, ring = _weights_on_disk(a, c, w, free - act_ring)
+            k, ring = _weights_on_disk(a, c, w, free - act_ring, pad)
             left = free - ring - sum(w[k:])
     j = _ram_from_head(per, left - act_ring)
     on_disk = [page_aligned(x) for x in w]
@@ -290,14 +294,11 @@ def placements(placer, shape: Candidate) -> list[tuple[Candidate, Prediction]]:
 
 
 def needs(c: Candidate, p: Prediction) -> list[str]:
-    """What the engine lacks to run this plan (nothing for the shapes it runs)."""
-    if not c.tiered:
-        return []
-    s = p.detail["tiers"]
-    out = []
-    if s["disk_weights"]:
-        out.append("weights on the NVMe tier (it keeps every unit's bus copy in RAM)")
-    return out
+    """What the engine lacks to run this plan: nothing since issue 43's parts (the update on
+    the card with its state on the tier, no host gradient for it, swap.acts_on_card,
+    swap.disk_acts, swap.disk_weights). Plan.needs stays, for a part the planner may price
+    before the engine has it."""
+    return []
 
 
 def say_bytes(n: float) -> str:

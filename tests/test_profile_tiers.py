@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from atom.cli import main
-from atom.config import ConfigError
+from atom.config import ConfigError, load_config, replace
 from atom.profiler import tiers
 from atom.profiler.cost import Candidate, Prediction
 from atom.profiler.hardware import GiB, stated
@@ -78,19 +78,30 @@ def test_a_70b_plan_on_a_4090_with_128_gib_states_what_it_costs_the_disk(profile
     [life] = [line for line in lines if line.startswith("atom: disk: writes")]
     assert "GB a step" in life and "an hour" in life and "600 TBW" in life
     assert f"{disk['endurance_per_day']:.1%}" in life
-    # each kind of byte is said where it lives, and what the engine lacks, in one line
-    assert sum(line.startswith("atom: tiered: ") for line in lines) == 4
-    [needs] = [line for line in lines if line.startswith("atom: this plan needs")]
-    assert "not built yet" in needs and "246.7 GiB of host RAM" in needs
-    assert saved["needs"] and all(n in needs for n in saved["needs"])
+    # each kind of byte is said where it lives, the units on the disk named; the engine
+    # lacks nothing of it
+    tiered = [line for line in lines if line.startswith("atom: tiered: ")]
+    assert len(tiered) == 4 and "on the NVMe disk (units 0-" in tiered[1]
+    assert not saved["needs"] and not any(
+        line.startswith("atom: this plan needs") for line in lines
+    )
+    assert lines[-1].startswith("atom: wrote ") and "train with: atom train --plan" in lines[-1]
 
 
-def test_atom_train_refuses_the_tiered_plan_in_one_line(profile_70b):
+def test_atom_train_applies_the_tiered_plan_with_a_disk_directory(profile_70b, tmp_path):
+    """The 70B plan is one atom train runs: without a disk directory it says so in one line;
+    with one, the plan's swap section puts the units on the disk it names."""
     _, _, path = profile_70b
     code, out, err = run_cli(["train", "--config", "llama-3.1-70b", "--plan", str(path)])
     assert code == 2
     [line] = (out + err).strip().splitlines()
-    assert line.startswith("atom: error: the plan needs what atom train does not run yet")
+    assert line.startswith("atom: error: the plan keeps") and "swap.disk_dir=DIR" in line
+    plan = Plan.load(path)
+    cfg = plan.apply(replace(load_config("llama-3.1-70b"), swap={"disk_dir": str(tmp_path)}))
+    s = plan.prediction.detail["tiers"]
+    assert cfg.swap.disk_dir == str(tmp_path) and cfg.swap.card_update == "all"
+    assert (cfg.swap.disk_weights, cfg.swap.disk_acts) == (s["weight_units"], s["input_units"])
+    assert cfg.swap.disk_weights != "none" and cfg.train.grad_accum == plan.grad_accum
 
 
 def test_an_older_plan_is_refused_in_one_line(tmp_path):
@@ -241,7 +252,8 @@ def twin_plan(tmp_path, gpu: int, host: int):
 def test_the_twin_plan_has_the_70b_shape(tmp_path):
     """The llama twin on a CPU with the card and RAM capped (issue 43): unit-major over
     several micro-batches, every update on the card, units kept there across steps, the
-    weights partly on the NVMe tier (units 0..), the state all on it."""
+    weights partly on the NVMe tier (units 0..), the state all on it; and the engine trains
+    it, reading and writing what the plan says."""
     gpu, host = twin_caps(0.5)
     plan = twin_plan(tmp_path, gpu, host)
     s = plan.prediction.detail["tiers"]
@@ -252,14 +264,17 @@ def test_the_twin_plan_has_the_70b_shape(tmp_path):
     assert s["state_units"] == "all" and s["disk_state"] == s["state"] > 0
     assert plan.prediction.peak_device_bytes <= gpu and plan.prediction.host_bytes <= host
     assert plan.disk["write_bytes_per_step"] == s["disk_weights"] + s["disk_state"] + s["disk_acts"]
-    # what the engine lacks for it: the weights on the tier (issue 43 (c)), only
-    assert plan.needs == ["weights on the NVMe tier (it keeps every unit's bus copy in RAM)"]
+    assert plan.needs == [] and plan.swap["disk_weights"] == s["weight_units"]
+    # the engine runs it: the three tiers' bytes a step, and the RAM it holds, are the plan's
+    read, written, ram = run_twin(plan, tmp_path)
+    assert (read, written) == (plan.disk["read_bytes_per_step"], plan.disk["write_bytes_per_step"])
+    assert ram + s["ram_acts"] == plan.prediction.host_bytes
 
 
 def run_twin(plan, tmp_path, steps: int = 3) -> tuple[int, int, int]:
-    """The plan applied and trained on the CPU backend: the bytes the NVMe tier (state)
-    and the activation disk read and wrote in the last step, and the RAM the engine holds
-    (host store, the tier's slots and the activation disk's)."""
+    """The plan applied and trained on the CPU backend: the bytes the NVMe tiers (state,
+    weights) and the activation disk read and wrote in the last step, and the RAM the
+    engine holds (host store and every tier's slots)."""
     from atom.swap.backend import CpuBackend
     from atom.swap.engine import SwapEngine
     from tests.test_swap_equivalence import batches_for
@@ -273,11 +288,12 @@ def run_twin(plan, tmp_path, steps: int = 3) -> tuple[int, int, int]:
         for step in range(steps):
             engine.train_step(batches_for(step, cfg, vocab=TWIN["vocab_size"]), 1e-3)
             engine.wait_idle()
-            engine.tier.flush()
-            tiers_ = [engine.tier] + ([engine.acts] if engine.acts else [])
+            tiers_ = [engine.tier] + [t.tier for t in [engine.wdisk] if t]
+            for tier in tiers_:  # the writes behind the step's last updates
+                tier.flush()
+            tiers_ += [engine.acts] if engine.acts else []
             counts.append((sum(t.bytes_read for t in tiers_), sum(t.bytes_written for t in tiers_)))
-        ram = engine.store.nbytes() + engine.tier.slot_bytes
-        ram += engine.acts.slot_bytes if engine.acts else 0
+        ram = engine.store.nbytes() + sum(t.slot_bytes for t in tiers_)
     finally:
         engine.close()
     (r1, w1), (r2, w2) = counts[-2:]
