@@ -51,7 +51,7 @@ import traceback
 from pathlib import Path
 
 from tools.gpu.compile import compile_section
-from tools.gpu.proc import DEADLINE_ENV, ROOT, SkipSection, run_child, seconds_left
+from tools.gpu.proc import DEADLINE_ENV, PROFILE_ENV, ROOT, SkipSection, run_child, seconds_left
 from tools.gpu.sections import (
     attention_section,
     bandwidth_section,
@@ -208,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step for `big`")
     p.add_argument("--steps", type=int, default=3, help="timed training steps for `big`")
     p.add_argument("--only", nargs="*", help="run only these sections")
+    p.add_argument(
+        "--host-mem",
+        default=None,
+        help="host RAM cap for `big`'s profile (e.g. 48GiB; default: this machine's)",
+    )
+    p.add_argument("--tiered", action="store_true",
+                   help="`big` profiles the tiered plan (weights, state and unit inputs across "
+                        "RAM and an NVMe tier in OUT/tier) and trains it (issue 43)")  # fmt: skip
     p.add_argument("--budget", type=float, default=540.0,
                    help="seconds for the whole check (default 540: under 9 minutes)")  # fmt: skip
     p.add_argument(
@@ -223,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GPU_CHECK_OUT"] = str(out)
     os.environ[DEADLINE_ENV] = str(time.time() + args.budget)
     os.environ.setdefault("ATOM_CACHE", str(out / "cache"))
+    # `atom profile`'s own flags for `big` (its children read them from here)
+    profile = ["--host-mem", args.host_mem] * bool(args.host_mem) + ["--tiered"] * args.tiered
+    os.environ[PROFILE_ENV] = json.dumps(profile)
     report = Report(out, args.dry_run)
     if not args.dry_run:
         report.data["wheels"] = carried_wheels(out)

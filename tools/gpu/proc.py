@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 DEADLINE_ENV = "GPU_CHECK_DEADLINE"  # epoch seconds: the budget's end, seen by children
+PROFILE_ENV = "GPU_CHECK_PROFILE"  # JSON list: `atom profile` flags for the `big` section
 
 
 def seconds_left() -> float:

@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tools.gpu.proc import SkipSection, run_child, seconds_left
+from tools.gpu.proc import PROFILE_ENV, SkipSection, run_child, seconds_left
 from tools.gpu.steps import random_batches, time_steps
 
 
@@ -400,6 +400,10 @@ def big_section(
     if dry:
         config, gpu_mem, batch = "tiny", "1GiB", 8
     gpu_mem, lowered = card_cap(gpu_mem, dry)
+    profile_flags = [] if dry else json.loads(os.environ.get(PROFILE_ENV, "[]"))
+    if "--tiered" in profile_flags:  # the tiered plan's NVMe tiers, in the check's folder
+        (out / "tier").mkdir(exist_ok=True)
+        overrides = [*overrides, f"swap.disk_dir={out / 'tier'}"]
     sets = [a for kv in ["model.vocab_size=256", *overrides] for a in ("--set", kv)]
     code, log = run_child(
         [
@@ -416,6 +420,7 @@ def big_section(
             str(plan),
             "--top",
             "5",
+            *profile_flags,
             *sets,
         ],
         timeout=200,
