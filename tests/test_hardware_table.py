@@ -37,13 +37,13 @@ def test_the_presets_rates_are_measured_rates_scaled_once():
 
 def test_the_model_table_names_torchtune_beside_each_model(capsys):
     """--models: a row per model on one card, with what torchtune runs on one card; a tiered
-    plan's cell says it is not built yet and what it writes to the disk."""
-    args = ["--models", "llama-1b", "codellama-34b", "--cards", "rtx4090", "--hosts", "16",
+    plan's cell says so and what it writes to the disk."""
+    args = ["--models", "llama-1b", "codellama-34b", "--cards", "rtx4090", "--hosts", "32",
             "--batch", "8"]  # fmt: skip
     assert hardware_table.main(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert rows[0] == "| model | 16 GiB RAM | torchtune, one card |"
+    assert rows[0] == "| model | 32 GiB RAM | torchtune, one card |"
     assert rows[1].startswith("| llama-1b | ") and rows[1].endswith("| - |")
     big = rows[2]
-    assert "tiered: not built yet; writes" in big and "of 600 TBW a day" in big
+    assert "tiered; writes" in big and "of 600 TBW a day" in big
     assert big.endswith(f"| {hardware_table.TORCHTUNE['codellama-34b']} |")

@@ -59,6 +59,7 @@ def cell(cfg, card: str, host_gib: int, batch: int, only_tiered: bool = False) -
         "bound": p.bottleneck,
         "state": describe_host(plan.swap["state"], plan.disk_tier).split(" (")[0],
         "tiered": plan.tiered,
+        "needs": plan.needs,  # what of the plan the engine lacks (nothing, today)
         "host_gib": p.host_bytes / GiB,
         "device_gib": p.peak_device_bytes / GiB,
         "writes_gb": plan.disk["write_bytes_per_step"] / 1e9,
@@ -75,7 +76,7 @@ def say(c: dict, disk: bool = False) -> str:
         return f"does not fit: {c['why']}"
     state = c["state"].replace(" state", "")
     if c["tiered"]:
-        state += ", tiered: not built yet"
+        state += ", tiered" + (": not built yet" if c.get("needs") else "")
     if disk and c["writes_gb"]:
         state += f"; writes {c['writes_gb']:,.0f} GB a step, {c['endurance_per_day']:.1%} of "
         state += "600 TBW a day"
@@ -105,7 +106,8 @@ def model_table(models: list[str], card: str, batch: int, hosts: list[int]) -> s
             if c["fits"] and not c["tiered"]:  # what the tiered plan would give instead
                 t = cell(cfg, card, h, batch, only_tiered=True)
                 if t["fits"] and t["tokens_per_s"] > 1.03 * c["tokens_per_s"]:
-                    text += "; tiered: " + say(t, disk=True).replace(", tiered: ", "; ", 1)
+                    tiered = say(t, disk=True).replace(", tiered: ", "; ", 1)
+                    text += "; tiered: " + tiered.replace(", tiered", "", 1)
             cells.append(text)
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {TORCHTUNE.get(name, '-')} |")
     return "\n".join(rows)
