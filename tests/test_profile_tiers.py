@@ -22,14 +22,13 @@ from atom.profiler.hardware import GiB, stated
 from atom.profiler.planner import PLAN_VERSION, Plan, Scored, choose
 from atom.profiler.profile import run_profile
 from tests.conftest import tiny_config
+from tools.bench.twin import CPU, TWIN, caps
 
 SMALL = {"arch": "llama", "n_layer": 4, "d_model": 256, "n_head": 4, "vocab_size": 1024,
          "seq_len": 128}  # fmt: skip
 
 
-# the plan's llama twin (issue 43): the 70B's shape at 1.22M parameters, fp32 state
-TWIN = {"arch": "llama", "n_layer": 6, "d_model": 128, "d_ff": 344, "n_head": 4, "n_kv_head": 2,
-        "vocab_size": 512, "seq_len": 64, "tie_embeddings": False}  # fmt: skip
+# the plan's llama twin (issue 43): TWIN, the 70B's shape at 1.22M parameters, from the bench
 TWIN_TRAIN = {"micro_batch": 2, "grad_accum": 4}
 
 
@@ -216,29 +215,9 @@ def test_no_tiered_plan_for_tied_weights_or_another_optimizer():
     assert not plan.tiered and not plan.needs and plan.disk["write_bytes_per_step"] == 0
 
 
-# a CPU stated as the issue's card is: the "card" is host memory under --gpu-mem, the disk
-# a consumer NVMe drive
-CPU = {"name": "CPU (stated)", "device": "cpu", "device_mem": GiB, "host_mem": GiB,
-       "h2d_bps": 5e9, "d2h_bps": 1e300, "duplex_h2d_bps": 5e9, "matmul_flops": 5e10,
-       "adam_s_per_param": 2e-9, "accum_s_per_param": 5e-10, "host_shares_compute": True,
-       "disk_read_bps": 3e9, "disk_write_bps": 1.5e9}  # fmt: skip
-
-
 def twin_caps(weights_in_ram: float) -> tuple[int, int]:
-    """(gpu_mem, host_mem) from the twin's analysis: the card holds two units kept across
-    steps and every unit input of 4 x 2; RAM the state tier's slots, the slots of weights
-    loaded from the disk, and `weights_in_ram` of the weights."""
-    from atom.profiler.cost import peak_device_bytes
-    from atom.profiler.planner import analysis
-    from atom.swap.pinned import page_aligned
-
-    a = analysis(twin(), 1)
-    w = [u.n_total * 4 for u in a.units]
-    card = Candidate(1, 0, 4, 2, True, False, resident_units=2, card_update="all",
-                     update="eager", tiered=True)  # fmt: skip
-    gpu = peak_device_bytes(a, card, torch.float32, cuda=False)
-    slots = tiers.STATE_SLOTS * max(a.record_bytes("fp32")) + 3 * page_aligned(max(w))
-    return gpu, slots + int(sum(w) * weights_in_ram)
+    """(gpu_mem, host_mem) that put the twin in the 70B plan's shape (tools/bench/twin.py)."""
+    return caps(weights_in_ram)
 
 
 def twin_plan(tmp_path, gpu: int, host: int):
