@@ -109,9 +109,15 @@ def test_consensus_distance_falls_and_the_mean_is_kept(group, clip):
     wait_until(lambda: a.table.get("c") is not None and a.table.get("c").status == "alive")
     rows = {r["id"]: r for r in a.status()["peers"]}
     assert rows["b"]["exchanges"] > 0 and rows["b"]["rtt"] > 0
-    # how far apart a and b were at their latest exchange (|diff|^2 / |w|^2): at consensus
-    # by now, where two seeds' weights start about 2 apart
-    assert rows["b"]["apart"] is not None and rows["b"]["apart"] < 1e-4
+
+    # how far apart a and b were at their latest exchange (|diff|^2 / |w|^2), where two
+    # seeds' weights start about 2 apart: at consensus once they exchange again (the latest
+    # may be from before it: it failed once at 1.4e-4, in CI under load)
+    def b_apart() -> float:
+        row = {r["id"]: r for r in a.status()["peers"]}["b"]
+        return float("inf") if row["apart"] is None else row["apart"]
+
+    wait_until(lambda: b_apart() < 1e-4, 15, "a's record of b at consensus")
     # every unit is still what the compute copy holds (refresh_compute after each merge)
     for buf in a.engine.store.buffers:
         assert torch.equal(buf.compute[: buf.spec.n_owned].float(), buf.master)
