@@ -152,9 +152,11 @@ class ModelAnalysis:
         out = []
         for u in self.units:
             n = u.n_owned
+            scales = 4 * padded(n) // BLOCK
             if state == "compact":  # master, comp, two code arrays, two scale arrays
-                scales = 4 * padded(n) // BLOCK
                 parts = [2 * n, 2 * n, padded(n), padded(n), scales, scales]
+            elif state == "bf16":  # the weights, two code arrays, two scale arrays
+                parts = [2 * n, padded(n), padded(n), scales, scales]
             else:
                 parts = [4 * n] * 3
             out.append(max(ALIGN, sum(aligned(p) for p in parts)))
@@ -167,6 +169,7 @@ class ModelAnalysis:
         disk: bool = False,
         disk_slots: int = 3,
         card: frozenset[int] = frozenset(),
+        kept: frozenset[int] = frozenset(),
     ) -> int:
         """Host RAM for model state, as atom/swap/host_store.py allocates it.
 
@@ -177,11 +180,15 @@ class ModelAnalysis:
         that copy (same dtype, no tied aliases), and the gradient of tied aliases.
         disk (swap.disk_dir): master and moments live on disk; RAM keeps the bus copy and
         the gradient of every unit, and `disk_slots` records of the largest unit.
+        bf16 (the opt-in lossy state): bf16 weights (the bus copy), bf16 gradient, the
+        8-bit moments; no fp32 master, no remainder: ~6 bytes.
         card: units updated on the device (swap.card_update), which have no host gradient
-        (their gradient is summed on the device)."""
+        (their gradient is summed on the device). kept: units whose weights live on the card
+        alone (state_formats.weights_stay): no bus copy on the host, nor the bf16 master
+        it is in compact and bf16 state."""
         from atom.optim.compact import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
 
-        compact = state == "compact"
+        compact = state != "fp32"  # 8-bit moments, bf16 master and gradient, scratch
         master_dtype = torch.bfloat16 if compact else torch.float32
         # the host gradient is in the state's gradient dtype (host_store.py: master's)
         grads = sum(u.n_total for u in self.units if u.index not in card) * dtype_bytes(
@@ -195,11 +202,15 @@ class ModelAnalysis:
                 grads + copies + scratch + max(2, disk_slots) * max(self.record_bytes(state))
             )
         moments = self.n_params * (2 + 8 / BLOCK) if compact else self.n_params * 8
-        masters = self.n_params * 4  # fp32 master, or bf16 master + int16 remainder
+        # fp32 master, or bf16 master + int16 remainder; bf16 state: the bf16 weights
+        per_master = 2 if state == "bf16" else 4
+        masters = sum(
+            (per_master - 2 * compact * (u.index in kept)) * u.n_owned for u in self.units
+        )
         copies = sum(
             u.n_total * dtype_bytes(dtype)
             for u in self.units
-            if dtype != master_dtype or u.n_total != u.n_owned
+            if (dtype != master_dtype or u.n_total != u.n_owned) and u.index not in kept
         )
         return int(masters + moments + grads + copies + scratch)
 

@@ -29,16 +29,23 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from atom.config import SwapConfig
-from atom.optim.compact import BLOCK, padded
 from atom.profiler.analysis import ModelAnalysis, UnitInfo, dtype_bytes
 from atom.profiler.hardware import HardwareSpec
+from atom.profiler.state_formats import (
+    CARD_DOWN_DRAM_PASSES,
+    card_state_bytes,
+    card_work_s,
+    host_update_s_per_param,
+    master_dtype,
+    pinned_state_per_param,
+    update_dram_bytes,
+    weights_stay,
+)
 from atom.profiler.timing import PieceTimes
 from atom.swap.card_update import DEVICE_CHUNK
 from atom.swap.pinned import ALIGN
 
-# Device-memory traffic of the update on the card, bytes a parameter: read gradient,
-# master and moments, write master, moments (and the compute copy), the chunk's copies
-CARD_WORK_BYTES = {"fp32": 32, "compact": 24}
+__all__ = ["card_state_bytes", "card_work_s"]  # the state's bytes, re-exported (tests)
 # the NVMe tier's RAM slots: DiskTier keeps max(2, swap.disk_slots) records in RAM
 TIER_SLOTS = max(2, SwapConfig().disk_slots)
 
@@ -57,7 +64,9 @@ class Candidate:
     offload_activations: bool
     order: str = "unit"  # swap.order: unit-major or micro-batch-major (same when accum 1)
     resident_units: int = 0  # block units nearest the head kept on the device (own slots)
-    state: str = "fp32"  # fp32, or compact (bf16 + 8-bit moments, half the RAM)
+    # fp32; compact (bf16 + remainder + 8-bit moments, half the RAM); bf16 (no fp32 master:
+    # lighter, not bit-exact; only when asked)
+    state: str = "fp32"
     disk_tier: bool = False  # master and moments on disk (swap.disk_dir), paged around updates
     card_update: str = "none"  # swap.card_update: units whose update runs on the device
     update: str = "exact"  # swap.update: with clipping, wait for the norm, or eager
@@ -116,11 +125,7 @@ def card_pinned_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int
     crosses from its slots (tier_pinned_bytes)."""
     if c.disk_tier:
         return 0
-    compact = c.state == "compact"
-    master_dtype = torch.bfloat16 if compact else torch.float32
-    per = 4 + 8 / 256 if compact else 8  # remainder + codes + scales; or two fp32 moments
-    if dtype != master_dtype:
-        per += dtype_bytes(master_dtype)
+    per = pinned_state_per_param(c.state, dtype)
     return int(sum(a.units[u].n_owned * per for u in card_units(a, c)))
 
 
@@ -138,6 +143,15 @@ def resident_set(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
     return frozenset(range(n - 1 - c.resident_units, n - 1))
 
 
+def kept_units(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> frozenset[int]:
+    """Units whose weights live on the card alone: kept there across steps and updated
+    there, where the engine keeps no host copy of them (state_formats.weights_stay); not on
+    the NVMe tier, whose records hold every unit's master."""
+    if c.disk_tier or not weights_stay(c.state, dtype):
+        return frozenset()
+    return resident_set(a, c) & card_units(a, c)
+
+
 def update_timing(c: Candidate, grad_clip: float, dtype: torch.dtype) -> str:
     """When updates run, as the engine resolves it (atom/swap/update_timing.py): immediate
     without clipping, eager with swap.update eager, else exact (fp16 loss scaling needs
@@ -148,47 +162,13 @@ def update_timing(c: Candidate, grad_clip: float, dtype: torch.dtype) -> str:
     return "eager" if c.update == "eager" and not scaling else "exact"
 
 
-def card_state_bytes(
-    u: UnitInfo, state: str, dtype: torch.dtype, persistent: bool
-) -> tuple[float, float]:
-    """(up, down): bytes of a card-updated unit's optimizer state over the bus per update.
-
-    fp32 state: master and both moments each way (12 bytes a parameter), and down the
-    compute copy where it is not the master. compact: up the 16-bit remainder and the two
-    8-bit moments with their block scales, and the bf16 master except for a unit kept on
-    the card across steps in a bf16 step (read from its slot); down the bf16 master (the
-    host's copy stays current for checkpoints and peers), remainder and moments. Other
-    compute dtypes also bring the compute copy down. As atom/swap/card_update.py moves
-    them."""
-    n = u.n_total
-    dt = dtype_bytes(dtype)
-    if state == "compact":
-        blocks = padded(n)
-        moments = 2 * blocks + 2 * 4 * blocks // BLOCK  # two code arrays, two scale arrays
-        bf16 = dtype == torch.bfloat16
-        up = 2 * n + moments + (0 if bf16 and persistent else 2 * n)
-        down = 2 * n + moments + 2 * n + (0 if bf16 else dt * n)
-        return float(up), float(down)
-    copy = 0 if dtype == torch.float32 else dt * n
-    return 12.0 * n, 12.0 * n + copy
-
-
-def card_work_s(u: UnitInfo, state: str, hw: HardwareSpec) -> float:
-    """Seconds of the update itself on the device: memory-bound on a card; on the CPU
-    backend the "card" is the host's cores, at the host update's own rate."""
-    if hw.device == "cuda" and hw.card_mem_bps > 0:
-        return u.n_total * CARD_WORK_BYTES[state] / hw.card_mem_bps
-    rate = hw.compact_adam_s_per_param if state == "compact" else hw.adam_s_per_param
-    return u.n_total * rate
-
-
 def _chunk_bytes(u: UnitInfo, state: str, dtype: torch.dtype, cuda: bool) -> int:
     """Device bytes of a card update's state chunks (two in flight: double-buffered), and
     on CUDA one chunk's temporaries (the fp32 gradient slice, padded weights/remainder,
     fp32 moments)."""
     n = min(u.n_total, 2 * DEVICE_CHUNK)
     up, _ = card_state_bytes(u, state, dtype, False)
-    work = min(u.n_total, DEVICE_CHUNK) * (16 if state == "compact" else 6) if cuda else 0
+    work = min(u.n_total, DEVICE_CHUNK) * (6 if state == "fp32" else 16) if cuda else 0
     return int(up / u.n_total * n) + work
 
 
@@ -313,7 +293,8 @@ def _card_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool, 
 
 
 def host_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, cuda: bool) -> int:
-    total = a.host_bytes(dtype, c.state, c.disk_tier, card=card_units(a, c))
+    card, kept = card_units(a, c), kept_units(a, c, dtype)
+    total = a.host_bytes(dtype, c.state, c.disk_tier, card=card, kept=kept)
     if cuda:
         total += staging_bytes(a, c, dtype)
         total += TIER_SLOTS * ALIGN if c.disk_tier else 0  # the slots' alignment
@@ -327,7 +308,7 @@ def staging_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> int:
     crosses (the compute dtype; fp32 sums of several micro-batches, which compact state
     rounds to bf16 as they cross; fp32 state of a unit updated on the card)."""
     card = c.card_update.strip() not in ("", "none")
-    item = dtype_bytes(dtype) if c.state == "compact" and not card else 4
+    item = dtype_bytes(dtype) if c.state != "fp32" and not card else 4
     return a.largest_unit * item
 
 
@@ -414,15 +395,18 @@ def predict(
     ]
     # summed over micro-batches in fp32 on the device (compact: rounded to bf16 as it
     # crosses); a unit updated on the card sends none
-    grad_bytes = (2 if c.state == "compact" else 4) if per_pass > 1 else dt
+    grad_bytes = (2 if c.state != "fp32" else 4) if per_pass > 1 else dt
     grad_down = sum(u.n_total * grad_bytes for u in units if u.index not in card)
-    d2h = grad_down / hw.d2h_bps if cuda else 0.0
+    # down while the backward's reloads go up: the link's rate both ways at once
+    d2h = grad_down / hw.duplex_down_bps if cuda else 0.0
     bwd, bwd_bus = _pipeline(bwd_c, bwd_x, c.prefetch)
     bwd = max(bwd, d2h)
     # the update on the card: state bytes each way and device seconds, per unit
     up, down, work = {}, {}, {}
+    stay = kept_units(a, c, dtype)
     for i in sorted(card):
-        up[i], down[i] = card_state_bytes(units[i], c.state, dtype, i in persistent)
+        up[i], down[i] = card_state_bytes(units[i], c.state, dtype, i in persistent,
+                                          i in stay)  # fmt: skip
         work[i] = card_work_s(units[i], c.state, hw)
     last, last_bus, card_serial = _last_backward(
         units, body, card, up, down, work, bwd_c, bwd_x, d2h, hw, c.prefetch, timing
@@ -451,7 +435,7 @@ def predict(
     # Host side, on one worker thread: each unit's gradient lands once per pass (a copy or
     # an add into the fp32 host gradient), then the unit updates (norm, Adam, bf16 refresh).
     landing = passes * n_host * hw.accum_s_per_param
-    adam = hw.compact_adam_s_per_param if c.state == "compact" else hw.adam_s_per_param
+    adam = host_update_s_per_param(c.state, hw)
     # plus each unit's update call: its Python, not its parameters (tens of units of a
     # small model on a CPU: a few ms a step)
     optimizer = n_host * adam + len(host_units) * hw.unit_update_overhead_s
@@ -491,6 +475,33 @@ def predict(
     later_fwd = sum(u.n_total for u in units if u.index not in resident) * dt
     reloaded = [u for i, u in enumerate(reversed(body)) if i >= kept and u.index not in resident]
     one_bwd = sum(u.n_total for u in reloaded) * dt
+    h2d_bytes = first_fwd + (passes - 1) * later_fwd + passes * one_bwd
+    offload_bytes = (
+        2 * offloaded_units(a, c) * a.hidden_bytes(c.micro_batch, dtype) * c.grad_accum
+        if cuda
+        else 0
+    )
+    disk_bytes = sum(a.record_bytes(c.state)) if c.disk_tier else 0
+    # every byte through host DRAM a step (issue 49): DMA both ways, the landings' copies,
+    # the host's updates, the disk's transfers
+    hg = dtype_bytes(master_dtype(c.state))  # the host gradient's element
+    dram = {
+        "weights_up": h2d_bytes,
+        "grads_down": passes * grad_down,
+        # a landing reads the staging pool and writes (first pass) or adds into the host
+        # gradient (later passes: it reads that too)
+        "grad_landing": sum(u.n_total for u in host_units)
+        * (grad_bytes + hg + (passes - 1) * (grad_bytes + 2 * hg)),
+        "host_update": n_host * update_dram_bytes(c.state, dtype),
+        # the card update's state: up by DMA; down into staging, then copied into place
+        "card_state": sum(up.values()) + CARD_DOWN_DRAM_PASSES * sum(down.values()),
+        "offload": offload_bytes,
+        "disk": 2 * disk_bytes,
+    }
+    host_dram = host_floor_s(sum(dram.values()), hw)
+    pipeline_s, step = step, max(step, host_dram)
+    if host_dram and host_dram >= pipeline_s:
+        bottleneck = "host memory"
     return Prediction(
         step_s=step,
         tokens_per_s=tokens / step,
@@ -504,7 +515,7 @@ def predict(
             "compute_s": compute_s,
             "bus_stall_s": bus_s,
             # weights to the device (the card's optimizer state: state_up_bytes)
-            "h2d_bytes_per_step": first_fwd + (passes - 1) * later_fwd + passes * one_bwd,
+            "h2d_bytes_per_step": h2d_bytes,
             "d2h_grad_bytes_per_step": passes * grad_down,
             # the update on the card: its optimizer state over the bus each way, its time
             # on the device, and (exact clipping) the serial phase after the backward
@@ -514,20 +525,22 @@ def predict(
             "card_update_serial_s": card_serial,
             "host_update_s": optimizer + landing,
             # activation offload: each checkpointed unit input goes to the host and back
-            "offload_bytes_per_step": (
-                2 * offloaded_units(a, c) * a.hidden_bytes(c.micro_batch, dtype) * c.grad_accum
-                if cuda
-                else 0
-            ),
-            "disk_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
+            "offload_bytes_per_step": offload_bytes,
+            "disk_bytes": disk_bytes,
             "disk_io_s": disk_io,
             # the NVMe tier: every unit's record read before its update, written after it
-            "disk_read_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
-            "disk_write_bytes": sum(a.record_bytes(c.state)) if c.disk_tier else 0,
+            "disk_read_bytes": disk_bytes,
+            "disk_write_bytes": disk_bytes,
+            # bytes through host DRAM a step, by what moves them; the least time they take
+            # at hw.host_mem_bps (0: not charged), and the step without that floor
+            "host_dram_bytes": sum(dram.values()),
+            "host_dram": dram,
+            "host_dram_s": host_dram,
+            "pipeline_s": pipeline_s,
             # page-locked on CUDA: every unit's compute copy, the D2H staging pool, the
             # offloaded unit inputs' buffers, and the state of units updated on the card
             "pinned_bytes": (
-                sum(u.n_total for u in units) * dt
+                sum(u.n_total for u in units if u.index not in stay) * dt
                 + staging_bytes(a, c, dtype)
                 + (offloaded_bytes(a, c, dtype) if c.offload_activations else 0)
                 + card_pinned_bytes(a, c, dtype)
@@ -552,7 +565,7 @@ def _last_backward(
         return 0.0, 0.0, 0.0
     cuda = hw.device == "cuda"
     dup = hw.duplex_h2d_bps if cuda else hw.h2d_bps
-    d2h_bps = hw.d2h_bps if cuda else float("inf")
+    d2h_bps = hw.duplex_down_bps if cuda else float("inf")
     if timing == "exact":
         serial = sum(max(up[i] / dup, down[i] / d2h_bps, work[i]) for i in sorted(card))
         bwd, bus = _pipeline(bwd_c, bwd_x, prefetch)
@@ -565,3 +578,12 @@ def _last_backward(
             xfer[stage + 2] += up[u.index] / dup
     bwd, bus = _pipeline(comp, xfer, prefetch)
     return max(bwd, d2h + sum(down.values()) / d2h_bps), bus, 0.0
+
+
+def host_floor_s(dram_bytes: float, hw: HardwareSpec) -> float:
+    """The least time a step's host DRAM traffic takes: its bytes over the host's memory
+    bandwidth; 0 where that is unknown, or on the CPU backend (whose measured rates already
+    are host memory's)."""
+    if hw.host_mem_bps <= 0 or hw.host_shares_compute:
+        return 0.0
+    return dram_bytes / hw.host_mem_bps

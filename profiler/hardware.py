@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -19,6 +17,15 @@ import torch
 
 from atom.config import ConfigError
 from atom.ground.sizes import parse_bytes as parse_bytes  # re-exported: atom/cli/, tools/
+from atom.profiler.bandwidth import (  # re-exported: profile.py, tests
+    copy_bps,
+    measure_card_memory,
+    measure_disk,
+    measure_duplex,
+    measure_host_memory,
+    one_way,
+)
+from atom.profiler.bandwidth import median_time as _median_time
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,19 @@ class HardwareSpec:
     # memory-bound there; 0: unknown (a CPU machine, whose "card" is host memory, prices
     # that update at the host update's rates; a CUDA spec without it plans no card update)
     card_mem_bps: float = 0.0
+    # D2H while H2D also runs, bytes/s; 0: as d2h_bps (a spec written before it was kept)
+    duplex_d2h_bps: float = 0.0
+    # host memory (DRAM) bandwidth, bytes/s: every byte of a step's DMA, landing copies,
+    # host updates and disk transfers passes through it (cost.host_dram_bytes), and a step
+    # can not be shorter than their sum over it; 0: unknown, not charged
+    host_mem_bps: float = 0.0
+    # where the rates come from, in words (the profile's notes say it)
+    rates_source: str = ""
+
+    @property
+    def duplex_down_bps(self) -> float:
+        """D2H while H2D also runs."""
+        return self.duplex_d2h_bps or self.d2h_bps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,6 +97,9 @@ class HardwareSpec:
             "disk_read_bps",
             "disk_write_bps",
             "card_mem_bps",
+            "duplex_d2h_bps",
+            "host_mem_bps",
+            "rates_source",
         }
         missing = names - set(data) - optional
         if missing:
@@ -93,9 +116,30 @@ class HardwareSpec:
 TRAINING_SHARE_OF_MATMUL = 0.65
 
 
-def _gpu(name, mem_gib, h2d_gbps, d2h_gbps, duplex_gbps, matmul_tflops) -> dict:
+# Host memory bandwidth of the desktop every consumer preset assumes, two channels of DDR5,
+# GB/s: AIDA64's memory benchmark on a Ryzen 7 9800X3D with DDR5-6000 reads 62 and copies
+# 59 (tomshardware forum thread 3871519), of a theoretical 96 (2 channels x 8 bytes x 6000
+# MT/s); a step's mix of DMA, copies and updates gets at best about that. A DDR4 desktop
+# measures about half (STREAM triad 27 GB/s on a Ryzen 9 5900X, noonghunna/club-3090 issue
+# 1095): give such a machine as a JSON spec with its own host_mem_bps.
+DESKTOP_DDR5_GBPS = 60
+# D2H while H2D also runs, as a share of D2H alone: 24 GB/s against 25-26 on A100 PCIe4
+# server boards (nvbandwidth's device_to_host_bidirectional_memcpy_ce, NVIDIA/nvbandwidth
+# issues 11 and 53, where H2D drops to 11-13 meanwhile). No desktop board's duplex copies
+# have been published: the presets apply the servers' figures to every card
+DUPLEX_D2H_SHARE = 24 / 25.5
+SERVER_DUPLEX = (
+    "both ways at once: nvbandwidth on 8-GPU PCIe4 server boards (NVIDIA/nvbandwidth issues "
+    "11, 15, 53), no desktop measurement published"
+)
+
+
+def _gpu(
+    name, mem_gib, h2d_gbps, d2h_gbps, duplex_gbps, matmul_tflops, duplex_source=SERVER_DUPLEX
+) -> dict:
     """A consumer card from measured rates: pinned copies in GB/s (H2D, D2H, H2D while D2H
-    also runs), dense bf16 matmul TFLOP/s (a large torch.mm)."""
+    also runs), dense bf16 matmul TFLOP/s (a large torch.mm); `duplex_source`: where the
+    rates both ways at once come from."""
     return {
         "name": name,
         "device": "cuda",
@@ -104,15 +148,15 @@ def _gpu(name, mem_gib, h2d_gbps, d2h_gbps, duplex_gbps, matmul_tflops) -> dict:
         "h2d_bps": h2d_gbps * 1e9,
         "d2h_bps": d2h_gbps * 1e9,
         "duplex_h2d_bps": duplex_gbps * 1e9,
+        "duplex_d2h_bps": d2h_gbps * DUPLEX_D2H_SHARE * 1e9,
         "matmul_flops": matmul_tflops * 1e12 * TRAINING_SHARE_OF_MATMUL,
-        # The host side is DRAM-bound: a desktop's dual-channel DDR5 reads ~60 GB/s (AIDA64
-        # on a Ryzen 7 9800X3D, DDR5-6000: 62 read, 59 copy; tomshardware forum thread
-        # 3871519); DDR4 desktops measure about half (STREAM triad 27 GB/s on a Ryzen 9
-        # 5900X, noonghunna/club-3090 issue 1095): 50 GB/s is a DDR5 desktop. An update
+        # The host side is DRAM-bound: a desktop's dual-channel DDR5 (DESKTOP_DDR5_GBPS);
+        # the update's rate takes 50 of its 60 GB/s, as one worker thread gets. An update
         # (norm dot, fused AdamW, bf16 refresh) touches ~46 bytes per parameter, a gradient
         # landing (bf16 or fp32 in, fp32 add) ~10-12 (measure_host_optimizer).
         "adam_s_per_param": 46 / 50e9,
         "accum_s_per_param": 12 / 50e9,
+        "host_mem_bps": DESKTOP_DDR5_GBPS * 1e9,
         # The compact update is a dozen elementwise passes over cache-sized chunks: bound by
         # the cores, not DRAM.
         "compact_adam_s_per_param": COMPACT_NS_PER_CORE * 1e-9 / COMPACT_PRESET_CORES,
@@ -121,6 +165,11 @@ def _gpu(name, mem_gib, h2d_gbps, d2h_gbps, duplex_gbps, matmul_tflops) -> dict:
         "disk_read_bps": 5e9,
         "disk_write_bps": 2.5e9,
         "host_shares_compute": False,
+        "rates_source": (
+            f"stated: copies one way as measured on this card (profiler/hardware.py); "
+            f"{duplex_source}; host memory {DESKTOP_DDR5_GBPS} GB/s, a dual-channel DDR5 "
+            "desktop (AIDA64)"
+        ),
     }
 
 
@@ -154,12 +203,28 @@ PRESETS: dict[str, dict] = {
     "rtx4090": _gpu("RTX 4090 (24 GB, PCIe4)", 24, 23.9, 26.5, 12, 170),
     # matmul 242.18 (database.md; a cloud 5090 236.03, PR 15); nvbandwidth on a PCIe5
     # server: 56.3 H2D, 57.3 D2H, 50.9 H2D while D2H runs (tinygrad/open-gpu-kernel-modules
-    # issue 29)
-    "rtx5090": _gpu("RTX 5090 (32 GB, PCIe5)", 32, 56.3, 57.3, 50.9, 242),
+    # issue 29); D2H while H2D runs: DUPLEX_D2H_SHARE of the PCIe4 servers'
+    "rtx5090": _gpu(
+        "RTX 5090 (32 GB, PCIe5)",
+        32,
+        56.3,
+        57.3,
+        50.9,
+        242,
+        "both ways at once: nvbandwidth on a PCIe5 server (tinygrad/open-gpu-kernel-modules "
+        "issue 29), no desktop measurement published",
+    ),  # fmt: skip
     # not a consumer card, and not measured: the effective 400 TFLOP/s of earlier releases
     # (spec-derived); copies near our H100 run's 55.1 GB/s pinned each way
     # (docs/benchmarks.md)
-    "h200": _gpu("H200 (141 GB, PCIe5)", 139, 50, 50, 35, 400 / TRAINING_SHARE_OF_MATMUL),
+    "h200": {
+        **_gpu("H200 (141 GB, PCIe5)", 139, 50, 50, 35, 400 / TRAINING_SHARE_OF_MATMUL),
+        # a server's host, not measured: one socket's 8 channels of DDR5-4800 are 307 GB/s
+        # theoretical; taken at two thirds of it, as STREAM gets on such sockets
+        "host_mem_bps": 200e9,
+        "rates_source": f"stated: copies near our H100 run's; {SERVER_DUPLEX}; host memory "
+        "200 GB/s, two thirds of a server socket's 8 DDR5-4800 channels",
+    },
 }
 
 
@@ -202,15 +267,6 @@ def stated(spec: str, device_mem: int | None = None, host_mem: int | None = None
     if host_mem is not None:
         data["host_mem"] = host_mem
     return HardwareSpec.from_dict(data)
-
-
-def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_host_optimizer(
@@ -259,45 +315,6 @@ def measure_compact_update(numel: int = 8_000_000, compiled: bool = True) -> flo
     opt = CompactAdamW(master, rem, grad, numel, numel, cfg, ChunkScratch(numel), False, fused)
     opt.step(1e-4)  # first touch of the state (and a compile) is not per-step cost
     return _median_time(lambda: opt.step(1e-4), 5) / numel
-
-
-def measure_disk(directory: str | Path, nbytes: int = 1 << 30, seconds: float = 8.0):
-    """(read, write) bytes/s of large sequential transfers in `directory`, as the NVMe tier
-    does them: O_DIRECT where the filesystem allows, otherwise buffered with the written
-    pages dropped from the page cache before reading back (else the read measures RAM).
-    Stops early after about `seconds` each way."""
-    import mmap
-    import os
-
-    chunk = 64 << 20
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(1 << 20) * (chunk >> 20))
-    path = Path(directory) / f".atom-disk-probe-{os.getpid()}"
-    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-    try:
-        try:
-            fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-        except OSError:
-            fd = os.open(path, flags, 0o600)
-        try:
-            done, t0 = 0, time.perf_counter()
-            while done < nbytes and time.perf_counter() - t0 < seconds:
-                done += os.pwrite(fd, buf, done)
-            os.fsync(fd)
-            write = done / (time.perf_counter() - t0)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            got, t0 = 0, time.perf_counter()
-            with memoryview(buf) as view:
-                while got < done and time.perf_counter() - t0 < seconds:
-                    got += os.preadv(fd, [view], got)
-            read = got / (time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-    finally:
-        path.unlink(missing_ok=True)
-        buf.close()
-    return read, write
 
 
 def measure_unit_overhead(device: torch.device) -> tuple[float, float]:
@@ -358,27 +375,6 @@ def measure_unit_overhead(device: torch.device) -> tuple[float, float]:
     return per_visit, per_update
 
 
-def measure_card_memory(device: torch.device, nbytes: int = 1 << 28) -> float:
-    """The card's memory bandwidth, bytes/s: a large device-to-device copy (it reads and
-    writes every byte), as the update on the card streams its state through memory."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-
-    def copy() -> None:
-        dst.copy_(src)
-        torch.cuda.synchronize(device)
-
-    copy()
-    return 2 * nbytes / _median_time(copy, 5)
-
-
-def _copy_bps(dst: torch.Tensor, src: torch.Tensor, reps: int = 5) -> float:
-    """What the CPU backend's copies achieve: a memcpy on the computing thread, with its
-    team (atom/swap/backend.py: the CPU backend runs its host work inline)."""
-    dst.copy_(src)
-    return src.nbytes / _median_time(lambda: dst.copy_(src), reps)
-
-
 def measure(
     device: torch.device,
     transfer_numel: int,
@@ -428,6 +424,7 @@ def _measure(
         return result
 
     adam, add = phase("host AdamW", lambda: measure_host_optimizer(compute_dtype=dtype))
+    host_bps = measure_host_memory()
     compact = phase(
         # the first run on a machine compiles the compact update (Inductor caches it)
         "compact AdamW" + (" (compiled once, ~30 s)" if compiled_update else ""),
@@ -441,7 +438,7 @@ def _measure(
     numel = max(transfer_numel, 1 << 24)
     if device.type == "cpu":
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
-        bps = _copy_bps(dst, src)
+        bps = copy_bps(dst, src)
         bar.update(2)
         # the "device" is host memory: by default let the plan use what model state leaves
         return HardwareSpec(
@@ -460,29 +457,13 @@ def _measure(
             unit_overhead_s=overhead,
             unit_update_overhead_s=update_overhead,
             compact_adam_s_per_param=compact,
+            host_mem_bps=host_bps,
+            rates_source="measured here (memcpy on this machine's cores)",
         )
     free, total = torch.cuda.mem_get_info(device)
-    pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
-    back = torch.empty(numel, dtype=dtype, pin_memory=True)
-    dev = torch.empty(numel, dtype=dtype, device=device)
-    dev2 = torch.empty(numel, dtype=dtype, device=device)
-
-    def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize(device)
-        return _median_time(lambda: (fn(), torch.cuda.synchronize(device)), 5)
-
-    h2d = pinned.nbytes / timed(lambda: dev.copy_(pinned, non_blocking=True))
-    d2h = pinned.nbytes / timed(lambda: back.copy_(dev2, non_blocking=True))
-    s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def both() -> None:
-        with torch.cuda.stream(s1):
-            dev.copy_(pinned, non_blocking=True)
-        with torch.cuda.stream(s2):
-            back.copy_(dev2, non_blocking=True)
-
-    duplex = pinned.nbytes / timed(both)
+    h2d, d2h = one_way(device, numel, dtype)
+    # both ways at once: 64 MiB a copy is past the link's ramp and costs 512 MiB in all
+    duplex_up, duplex_down = measure_duplex(device, min(numel, (1 << 26) // dtype.itemsize), dtype)
     card_mem = measure_card_memory(device)
     bar.update(2)
     margin = max(GiB // 2, int(0.05 * total))  # CUDA context, allocator slack, fragmentation
@@ -494,7 +475,8 @@ def _measure(
         host_mem=host,
         h2d_bps=h2d,
         d2h_bps=d2h,
-        duplex_h2d_bps=duplex,
+        duplex_h2d_bps=duplex_up,
+        duplex_d2h_bps=duplex_down,
         matmul_flops=0.0,
         adam_s_per_param=adam,
         accum_s_per_param=add,
@@ -504,4 +486,6 @@ def _measure(
         unit_update_overhead_s=update_overhead,
         compact_adam_s_per_param=compact,
         card_mem_bps=card_mem,
+        host_mem_bps=host_bps,
+        rates_source="measured here (pinned copies, both ways at once on two streams)",
     )

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 # units in every order, swap.card_update, swap.update), with `placement` in words. 4: the
 # tiered plan (`needs`: what the engine lacks to run it) and the disk's life (`disk`). 5: the
 # tiered plan's bytes as the engine holds them (whole units; swap.acts_on_card), its
-# candidate naming the units on the disk, disk_tier set when anything is
-PLAN_VERSION = 5
+# candidate naming the units on the disk, disk_tier set when anything is. 6: host memory
+# charged (prediction.detail.host_dram_bytes), the bf16 state, weights that stay on the card
+PLAN_VERSION = 6
 # plans within this share of the fastest step count as a tie that the disk's writes break
 WRITE_TIE = 0.03
 
@@ -164,9 +165,10 @@ def _batch_options(target: int) -> list[int]:
 
 
 def host_options(cfg: Config, disk_known: bool) -> list[tuple[str, bool]]:
-    """(swap.state, on disk) in order of preference. A config that asks for compact state
-    gets it; the default (fp32) falls back to compact when fp32 does not fit."""
-    states = ["compact"] if cfg.swap.state == "compact" else ["fp32", "compact"]
+    """(swap.state, on disk) in order of preference. A config that asks for compact or bf16
+    state gets it; the default (fp32) falls back to compact when fp32 does not fit. The
+    bf16 state (not bit-exact to fp32) only where asked for."""
+    states = [cfg.swap.state] if cfg.swap.state != "fp32" else ["fp32", "compact"]
     return [(s, False) for s in states] + ([(s, True) for s in states] if disk_known else [])
 
 
@@ -247,12 +249,14 @@ def search(
     times_for,
     max_writes: float | None = None,
     only_tiered: bool = False,
+    analyses: dict[int, ModelAnalysis] | None = None,
 ) -> list[Scored]:
     """Score the candidates, one host option after another (host_options, then the tiered
     plan) until one has plans that fit; `times_for(micro_batch, analysis)` gives PieceTimes;
     `max_writes`: bytes an hour the disk may be written; `only_tiered`: the tiered plan
-    alone (what it would give where a plan the engine runs fits)."""
-    analyses: dict[int, ModelAnalysis] = {}
+    alone (what it would give where a plan the engine runs fits); `analyses`: the model's
+    partitions (analysis()), shared by searches of one model."""
+    analyses = {} if analyses is None else analyses
     scored: list[Scored] = []
     disk_known = hw.disk_read_bps > 0 and hw.disk_write_bps > 0
     options = [(s, d, False) for s, d in host_options(cfg, disk_known)]
@@ -313,7 +317,7 @@ def choose(
         ok = [s for s in ok if host_rank(s.candidate, cfg) == first]
         # Predictions within 1% of the fastest are a tie the model cannot resolve: among
         # those prefer the fewest bytes over the bus (copies compete with the host optimizer
-        # for DRAM bandwidth, which the model does not charge: on the H100 machine a
+        # for DRAM bandwidth, which the model charges only as a floor: on the H100 machine a
         # unit-major plan ran 1.1-1.5x faster than the micro-batch-major one it tied with),
         # weights and offloaded activations alike (an offload also pins its buffers), then
         # the smallest device footprint (headroom against fragmentation).
@@ -426,6 +430,7 @@ def state_notes(scored: list[Scored], ranked: list[Scored], hw: HardwareSpec) ->
                   default=None)  # fmt: skip
     what = {
         "compact": "fp32 weights kept as bf16 + a 16-bit remainder, 8-bit Adam moments",
+        "bf16": "bf16 weights, 8-bit Adam moments, stochastic rounding: not bit-exact to fp32",
         "fp32": "fp32 weights and moments",
     }[best.state]
     p = ranked[0].prediction

@@ -59,6 +59,14 @@ def cached_hardware(
         if hw.device == "cuda" and not hw.card_mem_bps:  # cached before it was measured
             hw.card_mem_bps = hardware.measure_card_memory(device)
             cache.data["hardware"] = hw.to_dict()
+        if not hw.host_mem_bps:  # cached before host memory was charged (issue 49)
+            hw.host_mem_bps = hardware.measure_host_memory()
+            cache.data["hardware"] = hw.to_dict()
+        if hw.device == "cuda" and not hw.duplex_d2h_bps:  # before both ways were timed
+            hw.duplex_h2d_bps, hw.duplex_d2h_bps = hardware.measure_duplex(
+                device, 1 << 25, torch.bfloat16
+            )
+            cache.data["hardware"] = hw.to_dict()
         return hw
     one_layer = replace(cfg, swap={"layers_per_unit": 1, "prefetch": 0})
     largest = ModelAnalysis.of(one_layer).largest_unit
@@ -81,10 +89,12 @@ def run_profile(
     nvme_tbw: float = tiers.DEFAULT_TBW,
     max_disk_writes: float | None = None,
     only_tiered: bool = False,
+    rivals: bool = True,
 ) -> tuple[Plan, list[Scored], hardware.HardwareSpec]:
     """`nvme_tbw`: the drive's rated endurance, TB written; `max_disk_writes`: bytes an hour
     a plan may write to the disk (None: any); `only_tiered`: the tiered plan (tiers.py) even
-    where a plan the engine runs fits."""
+    where a plan the engine runs fits; `rivals`: the notes on what another state would give
+    (a second search: tools/hardware_table, which prints no notes, leaves it out)."""
     target = target_batch or cfg.train.micro_batch * cfg.train.grad_accum
     if target < 1:
         raise ConfigError("--batch must be >= 1")
@@ -171,7 +181,8 @@ def run_profile(
             t = cache.pieces(mb)  # None: not measurable here (out of memory)
             return t and timing.blocks_scaled(t, factor)
 
-    scored = search(cfg, hw, dtype, target, times_for, max_disk_writes, only_tiered)
+    analyses: dict = {}  # the model's partitions, for the searches below
+    scored = search(cfg, hw, dtype, target, times_for, max_disk_writes, only_tiered, analyses)
     ranked = choose(scored, hw, cfg, dtype, max_disk_writes)
     plan = make_plan(cfg, hw, dtype, target, ranked, nvme_tbw)
     best = ranked[0].candidate
@@ -183,6 +194,9 @@ def run_profile(
         plan.placement = describe(cfg, a, best, hw, times_for(best.micro_batch, a), dtype)
     clipping = clipping_note(cfg, best, scored, dtype, a)
     notes += state_notes(scored, ranked, hw) + ([clipping] if clipping else [])
+    notes += [bus_note(hw)] + host_memory_note(ranked[0].prediction, hw)
+    if rivals:
+        notes += _bf16_rival(cfg, hw, dtype, target, times_for, max_disk_writes, analyses)
     disk = tiers.disk_note(plan.disk)
     notes += [disk] if disk else []
     if disk and not best.tiered:  # what the tiered plan would cost the disk instead
@@ -210,4 +224,61 @@ def _tiered_rival(cfg, hw, dtype, target, times_for, best: Scored, max_writes) -
         f"{built}) would write "
         f"{tiers.say_bytes(rival.writes)} a step at {q.tokens_per_s:,.0f} tokens/s, against "
         f"{tiers.say_bytes(best.writes)} at {p.tokens_per_s:,.0f}"
+    ]
+
+
+def bus_note(hw: hardware.HardwareSpec) -> str:
+    """The link's rates, one way and both ways at once, and where they come from."""
+    source = hw.rates_source or ("measured here" if hw.measured else "as the spec gives them")
+    return (
+        f"bus: {hw.h2d_bps / 1e9:.1f} GB/s up, {hw.d2h_bps / 1e9:.1f} down; both ways at once "
+        f"{hw.duplex_h2d_bps / 1e9:.1f} up while {hw.duplex_down_bps / 1e9:.1f} down ({source})"
+    )
+
+
+def host_memory_note(p, hw: hardware.HardwareSpec) -> list[str]:
+    """What the step moves through host DRAM, and whether that binds it (cost.predict's
+    host_dram); none where the host's memory bandwidth is not charged."""
+    d = p.detail
+    if not d.get("host_dram_s"):
+        return []
+    parts = {
+        "DMA": ("weights_up", "grads_down", "offload"),
+        "gradient landings": ("grad_landing",),
+        "host updates": ("host_update",),
+        "the card update's state (up, down, landed)": ("card_state",),
+        "the disk": ("disk",),
+    }
+    said = [
+        f"{name} {total / 1e9:.1f}"
+        for name, keys in parts.items()
+        if (total := sum(d["host_dram"].get(k, 0) for k in keys))
+    ]
+    floor, pipeline = d["host_dram_s"], d["pipeline_s"]
+    verdict = (
+        f"host memory binds: a step takes {floor:.2f} s at that, {pipeline:.2f} s without it"
+        if floor >= pipeline
+        else f"under the step's other limits ({pipeline:.2f} s): it does not bind"
+    )
+    return [
+        f"host memory: {d['host_dram_bytes'] / 1e9:.1f} GB through host DRAM a step "
+        f"({', '.join(said)} GB) at {hw.host_mem_bps / 1e9:.0f} GB/s is {floor:.2f} s; " + verdict
+    ]
+
+
+def _bf16_rival(cfg, hw, dtype, target, times_for, max_writes, analyses) -> list[str]:
+    """Where the user did not choose the bf16 state: what it would give, in one line."""
+    if cfg.swap.state == "bf16":
+        return []
+    light = replace(cfg, swap={"state": "bf16"})
+    try:
+        found = search(light, hw, dtype, target, times_for, max_writes, analyses=analyses)
+        best = choose(found, hw, light, dtype, max_writes)[0]
+    except Infeasible:
+        return []
+    p = best.prediction
+    built = "; not built yet" if tiers.needs(best.candidate, p) else ""
+    return [
+        f"the bf16 state (swap.state=bf16, lighter, not bit-exact to fp32{built}) would give "
+        f"{p.tokens_per_s:,.0f} tokens/s in {p.host_bytes / hardware.GiB:.1f} GiB of RAM"
     ]

@@ -30,7 +30,9 @@ as DiskTier and ActivationDisk count them.
 Time: one disk serves reads and writes (their times add). The forward's transfers (weights
 in, activations out) run under the forward, the backward's (activations, weights and state
 in; state and weights out) under the backward; a phase whose disk time is the longer waits
-for the disk. Host memory bandwidth (every byte also crosses DRAM) is not charged.
+for the disk. Every byte also crosses host DRAM: the step can not be shorter than the plan's
+DRAM bytes (cost.predict's, with the disk's reads and writes as the split has them) over the
+host's memory bandwidth.
 
 Units with tied weights (GPT's embedding and head) update on the host, from a host
 gradient: no tiered plan for them.
@@ -43,8 +45,17 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from atom.optim.compact import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
+from atom.profiler import state_formats
 from atom.profiler.analysis import ModelAnalysis, UnitInfo, dtype_bytes
-from atom.profiler.cost import TIER_SLOTS, Candidate, Prediction, format_units, predict
+from atom.profiler.cost import (
+    TIER_SLOTS,
+    Candidate,
+    Prediction,
+    format_units,
+    host_floor_s,
+    kept_units,
+    predict,
+)
 from atom.profiler.hardware import GiB, HardwareSpec
 from atom.swap.activations import INPUT_SLOTS
 from atom.swap.landing import crossing_dtype
@@ -79,11 +90,11 @@ def ram_state_bytes(u: UnitInfo, state: str, dtype: torch.dtype) -> int:
     16-bit remainder too), and the master where it is not the compute copy (another dtype,
     or tied aliases), as atom/swap/host_store.py shares them."""
     n = u.n_owned
-    if state == "compact":
-        master = torch.bfloat16
-        out = 2 * n + 2 * padded(n) + 2 * 4 * padded(n) // BLOCK
+    master = state_formats.master_dtype(state)
+    if state == "fp32":
+        out = 8 * n
     else:
-        master, out = torch.float32, 8 * n
+        out = (2 * n if state == "compact" else 0) + 2 * padded(n) + 2 * 4 * padded(n) // BLOCK
     if dtype != master or u.n_total != u.n_owned:
         out += n * dtype_bytes(master)
     return out
@@ -93,7 +104,7 @@ def fixed_bytes(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, hw: Hardware
     """RAM the engine holds whatever the split: on CUDA the D2H staging pool, one unit in
     the widest dtype that crosses (the card update's state crosses through it in chunks);
     compact state's fp32 scratch (atom/optim/compact.py ChunkScratch)."""
-    compact = c.state == "compact"
+    compact = c.state != "fp32"  # a bf16 host gradient, fp32 scratch
     out = 0
     if hw.device == "cuda":
         item = max(crossing_dtype(d, compact).itemsize for d in (dtype, torch.float32))
@@ -170,7 +181,9 @@ def _weights_on_disk(
 def split(a: ModelAnalysis, c: Candidate, dtype: torch.dtype, hw: HardwareSpec) -> Split:
     dt = dtype_bytes(dtype)
     n, m = len(a.units), c.grad_accum
-    w = [u.n_total * dt for u in a.units]
+    # the compute copy of each unit in RAM; none for those whose weights stay on the card
+    kept = kept_units(a, c, dtype)
+    w = [0 if u.index in kept else u.n_total * dt for u in a.units]
     one = a.hidden_bytes(c.micro_batch, dtype)  # a unit input, one micro-batch's
     n_off = max(0, n - 2 - c.acts_on_card) if c.offload_activations else 0
     offloaded = list(range(1, 1 + n_off))  # their inputs leave the card
@@ -242,7 +255,16 @@ def priced(
         fwd_disk = s.forward_reads / r + s.disk_acts / w
         bwd_disk = (s.reads - s.forward_reads) / r + (s.writes - s.disk_acts) / w
     wait = max(0.0, fwd_disk - p.detail["forward_s"]) + max(0.0, bwd_disk - p.detail["backward_s"])
-    step = p.step_s + wait
+    # host DRAM: cost.predict's bytes with the split's disk transfers for the tier's
+    dram = {**p.detail["host_dram"], "disk": s.reads + s.writes}
+    floor = host_floor_s(sum(dram.values()), hw)
+    pipeline = p.detail["pipeline_s"] + wait
+    step = max(pipeline, floor)
+    bottleneck = "disk" if wait > 0.1 * step else p.bottleneck
+    if floor and floor >= pipeline:
+        bottleneck = "host memory"
+    elif bottleneck == "host memory":  # the floor bound cost.predict's step, not this one
+        bottleneck = "disk" if wait else "bus"
     detail = {
         **p.detail,
         "disk_bytes": s.on_disk,
@@ -253,13 +275,17 @@ def priced(
         # on CUDA every byte in RAM crosses the bus: all page-locked
         "pinned_bytes": s.ram if hw.device == "cuda" else 0,
         "tiers": s.to_dict(),
+        "host_dram_bytes": sum(dram.values()),
+        "host_dram": dram,
+        "host_dram_s": floor,
+        "pipeline_s": pipeline,
     }
     return Prediction(
         step_s=step,
         tokens_per_s=c.micro_batch * c.grad_accum * a.cfg.model.seq_len / step,
         peak_device_bytes=p.peak_device_bytes,
         host_bytes=s.ram,
-        bottleneck="disk" if wait > 0.1 * step else p.bottleneck,
+        bottleneck=bottleneck,
         detail=detail,
     )
 
@@ -282,8 +308,10 @@ def placements(placer, shape: Candidate) -> list[tuple[Candidate, Prediction]]:
             if c.offload_activations and c.acts_on_card >= placer.n_blocks:
                 c = replace(c, offload_activations=False, acts_on_card=0)  # none offloaded
             s = split(placer.a, c, placer.dtype, placer.hw)
-            while c.resident_units and s.ram > placer.hw.host_mem:
-                # a unit kept on the card keeps its weights in RAM: fewer, where RAM is short
+            stay = state_formats.weights_stay(c.state, placer.dtype)
+            while c.resident_units and s.ram > placer.hw.host_mem and not stay:
+                # a unit kept on the card keeps its weights in RAM (unless they stay on
+                # the card alone): fewer, where RAM is short
                 c = replace(c, resident_units=c.resident_units - 1)
                 s = split(placer.a, c, placer.dtype, placer.hw)
             c = replace(c, disk_weights=s.weight_units, disk_state=s.state_units,
@@ -294,11 +322,11 @@ def placements(placer, shape: Candidate) -> list[tuple[Candidate, Prediction]]:
 
 
 def needs(c: Candidate, p: Prediction) -> list[str]:
-    """What the engine lacks to run this plan: nothing since issue 43's parts (the update on
-    the card with its state on the tier, no host gradient for it, swap.acts_on_card,
-    swap.disk_acts, swap.disk_weights). Plan.needs stays, for a part the planner may price
-    before the engine has it."""
-    return []
+    """What the engine lacks to run this plan: the tiered plan's parts are all built (issue
+    43); the parts of issue 49 that the profiler prices as they land are behind
+    state_formats' ENGINE_* constants (the bf16 state; weights that stay on the card are
+    counted only where the engine keeps them there, so no plan needs them)."""
+    return state_formats.needs(c.state)
 
 
 def say_bytes(n: float) -> str:
@@ -354,6 +382,8 @@ def describe(c: Candidate, p: Prediction) -> list[str]:
 
     if c.state == "fp32":
         state = "fp32 master + moments"
+    elif c.state == "bf16":
+        state = "bf16 weights + " * bool(s["disk_state"]) + "8-bit moments"
     else:  # the tier's record holds the bf16 master too; in RAM it is the compute copy
         state = "bf16 master + " * bool(s["disk_state"]) + "remainder + 8-bit moments"
     kept = _size(s["acts_card"])
@@ -391,6 +421,6 @@ def needs_note(need: list[str], built_host: int | None, looked: bool = True) -> 
     else:
         instead = "no plan atom trains today fits this card"
     return (
-        f"this plan needs {'; '.join(need)}: not built yet (issue 43), so `atom train "
+        f"this plan needs {'; '.join(need)}: not built yet, so `atom train "
         f"--plan` refuses it; {instead}"
     )

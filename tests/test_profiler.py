@@ -183,13 +183,15 @@ def test_plan_round_trips(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_config_profiles_on_meta_in_seconds(path):
-    """llama-7b on a stated 24 GiB card and 128 GiB host: no model memory allocated."""
+    """llama-7b on a stated 24 GiB card and 128 GiB host: no model memory allocated. Two
+    searches (the plan's, and the bf16 state's for its note: issue 49), each ~10 s for
+    codellama-34b on a busy 2-core machine."""
     rss = psutil.Process(os.getpid()).memory_info().rss
     t0 = time.perf_counter()
     plan, ranked, _ = run_profile(
         load_config(path), stated="rtx4090", gpu_mem=24 * GiB, host_mem=128 * GiB, progress=False
     )
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 40
     assert psutil.Process(os.getpid()).memory_info().rss - rss < 300 * 2**20
     assert plan.prediction.peak_device_bytes <= 24 * GiB
     assert plan.prediction.host_bytes <= 128 * GiB

@@ -9,9 +9,9 @@ beside what torchtune can run on one card.
 
 Each cell is the profiler's choice for that card (profiler/hardware.py PRESETS, each rate
 with its source) and that much host RAM: its predicted tokens/s, what bounds it, and the
-host state and where it lives; or, when nothing fits, the RAM the model needs. A tiered
-plan (profiler/tiers.py: weights, state and activations across RAM and the NVMe disk) is
-not built in the engine yet, and its cell says so; where a plan the engine runs was chosen
+host state and where it lives; or, when nothing fits, the RAM the model needs. A plan that
+needs a part the engine lacks (Plan.needs: the profiler's ENGINE_* constants in
+profiler/state_formats.py) says "not built yet"; where a plan the engine runs was chosen
 and a tiered one would be faster, the model table gives that figure too.
 """
 
@@ -48,7 +48,8 @@ TORCHTUNE = {
 def cell(cfg, card: str, host_gib: int, batch: int, only_tiered: bool = False) -> dict:
     try:
         plan, _, _ = run_profile(cfg, target_batch=batch, host_mem=host_gib * GiB, stated=card,
-                                 progress=False, only_tiered=only_tiered)  # fmt: skip
+                                 progress=False, only_tiered=only_tiered,
+                                 rivals=False)  # fmt: skip
     except Infeasible as err:
         need = re.search(r"host RAM: the model state needs ([\d.]+ GiB)", str(err))
         return {"fits": False, "why": f"needs {need[1]} of RAM" if need else str(err)[:80]}
@@ -76,7 +77,9 @@ def say(c: dict, disk: bool = False) -> str:
         return f"does not fit: {c['why']}"
     state = c["state"].replace(" state", "")
     if c["tiered"]:
-        state += ", tiered" + (": not built yet" if c.get("needs") else "")
+        state += ", tiered"
+    if c.get("needs"):  # a part the engine lacks (the profiler's ENGINE_* constants)
+        state += ": not built yet"
     if disk and c["writes_gb"]:
         state += f"; writes {c['writes_gb']:,.0f} GB a step, {c['endurance_per_day']:.1%} of "
         state += "600 TBW a day"

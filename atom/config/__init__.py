@@ -219,7 +219,7 @@ class SwapConfig:
     # block-scaled moments (8 bytes, and the bf16 half doubles as the bus copy): for models
     # whose fp32 state does not fit host RAM (atom/optim/compact.py). `atom profile` picks
     # it when fp32 does not fit.
-    state: Literal["fp32", "compact"] = "fp32"
+    state: Literal["fp32", "compact", "bf16"] = "fp32"
     # compact state: update whole chunks of a unit (2^20 parameters) with one loop compiled
     # by torch.compile (needs a C++ compiler; the first run compiles for ~30 s, later runs
     # read Inductor's cache); where it does not compile, a warning and the eager update.
