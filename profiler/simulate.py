@@ -162,6 +162,8 @@ class Machine:
                 h2d_bps=self.hw.h2d_bps / s,
                 d2h_bps=self.hw.d2h_bps / s,
                 duplex_h2d_bps=self.hw.duplex_h2d_bps / s,
+                duplex_d2h_bps=self.hw.duplex_d2h_bps / s,
+                host_mem_bps=self.hw.host_mem_bps / s,
             )
 
     def pieces(self, micro: int) -> PieceTimes:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from atom.config import ConfigError, load_config, replace
+from atom.profiler import state_formats
 from atom.profiler.analysis import ModelAnalysis, UnitInfo
 from atom.profiler.cost import (
     Candidate,
@@ -38,14 +39,16 @@ SCALES = 2 * 4 * N // 256  # two fp32 scales a block of 256
 @pytest.mark.parametrize(
     "state,dtype,persistent,up,down",
     [
-        # fp32 state: master and both moments each way, and the compute copy down
+        # fp32 state: master and both moments each way, and the compute copy down but for a
+        # unit whose weights stay on the card (kept there across steps and updated there)
         ("fp32", torch.bfloat16, False, 12 * N, 14 * N),
-        ("fp32", torch.bfloat16, True, 12 * N, 14 * N),
+        ("fp32", torch.bfloat16, True, 12 * N, 12 * N),
         ("fp32", torch.float32, False, 12 * N, 12 * N),
         # compact: remainder + two 8-bit moments each way, and the bf16 master down (the
-        # host's copy stays current) and up, except from the slot of a unit kept on the card
+        # host's copy stays current) and up, except for a unit kept on the card, whose
+        # master is its slot's (issue 49: no host copy)
         ("compact", torch.bfloat16, False, 6 * N + SCALES, 6 * N + SCALES),
-        ("compact", torch.bfloat16, True, 4 * N + SCALES, 6 * N + SCALES),
+        ("compact", torch.bfloat16, True, 4 * N + SCALES, 4 * N + SCALES),
         # another compute dtype: the master goes up, and the compute copy comes down
         ("compact", torch.float32, True, 6 * N + SCALES, 10 * N + SCALES),
         ("compact", torch.float16, False, 6 * N + SCALES, 8 * N + SCALES),
@@ -53,6 +56,16 @@ SCALES = 2 * 4 * N // 256  # two fp32 scales a block of 256
 )
 def test_state_bytes_over_the_bus_per_format_and_residency(state, dtype, persistent, up, down):
     assert card_state_bytes(UNIT, state, dtype, persistent) == (up, down)
+
+
+def test_without_the_engines_part_kept_units_send_their_weights_down(monkeypatch):
+    """state_formats.ENGINE_CARD_WEIGHTS_STAY False: the accounting before issue 49."""
+    monkeypatch.setattr(state_formats, "ENGINE_CARD_WEIGHTS_STAY", False)
+    assert card_state_bytes(UNIT, "fp32", torch.bfloat16, True) == (12 * N, 14 * N)
+    assert card_state_bytes(UNIT, "compact", torch.bfloat16, True) == (
+        4 * N + SCALES,
+        6 * N + SCALES,
+    )
 
 
 def test_card_units_are_written_and_read_as_swap_card_update_says():
@@ -121,8 +134,8 @@ def test_exact_clipping_keeps_every_card_gradient_on_the_device():
 
 def test_units_kept_on_the_card_cross_the_bus_only_as_state():
     """A resident unit updated on the card never reloads: no weights up, its state up and
-    down (and its bf16 master down); a resident unit updated on the host still loads once
-    a step."""
+    down (its weights stay on the card: none down); a resident unit updated on the host
+    still loads once a step."""
     cfg = load_config("llama-1b")
     a = ModelAnalysis.of(cfg)
     hw = stated("rtx4090")
@@ -135,10 +148,8 @@ def test_units_kept_on_the_card_cross_the_bus_only_as_state():
     kept = sum(u.n_total for u in a.units[-5:-1])
     assert p_host.detail["h2d_bytes_per_step"] - p_card.detail["h2d_bytes_per_step"] == 2 * kept
     assert p_card.detail["state_up_bytes"] == pytest.approx(kept * (4 + 8 / 256), rel=1e-3)
-    # down, the bf16 master too (the host's copy stays current)
-    assert p_card.detail["state_down_bytes"] == pytest.approx(
-        p_card.detail["state_up_bytes"] + 2 * kept
-    )
+    # down, the same: the weights stay on the card (issue 49)
+    assert p_card.detail["state_down_bytes"] == p_card.detail["state_up_bytes"]
     assert p_host.detail["d2h_grad_bytes_per_step"] - p_card.detail["d2h_grad_bytes_per_step"] == (
         2 * kept
     )

@@ -356,13 +356,16 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
     """llama-7b on a stated 24 GiB card: fp32 state with 128 GiB of RAM; compact state,
     with a note naming the cost, at 64 GiB; fp32 state on the NVMe tier (the preset's disk
     speed), every unit updated on the card (no host gradient), at 32 GiB; compact on the
-    tier at 24 GiB; at 16 GiB only the tiered plan (weights and unit inputs on the disk
-    too), which atom train runs given the directory."""
+    tier at 24 GiB; at 16 GiB only the tiered plan (unit inputs on the disk too), which
+    atom train runs given the directory."""
     cfg = load_config("llama-7b")
     plan, _, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=128 * GiB, progress=False
     )
-    assert plan.swap["state"] == "fp32" and not plan.notes
+    assert plan.swap["state"] == "fp32" and plan.needs == []
+    # no note on the state chosen; the link, host memory and what bf16 state would give
+    assert [n.split(" ")[0] for n in plan.notes] == ["bus:", "host", "the"]
+    assert "(swap.state=bf16, lighter, not bit-exact to fp32) would give" in plan.notes[2]
     plan, ranked, _ = run_profile(
         cfg, stated="rtx4090", gpu_mem=24 * GiB, host_mem=64 * GiB, progress=False
     )
@@ -388,7 +391,10 @@ def test_profile_picks_compact_state_only_when_fp32_does_not_fit_host_ram():
                              progress=False)  # fmt: skip
     assert plan.tiered and not plan.needs and plan.disk_tier
     tiers = plan.prediction.detail["tiers"]
-    assert tiers["weight_units"] != "none" and tiers["input_units"] != "none"
+    # the unit inputs on the disk; no weights: those of the block units kept on the card
+    # live there alone (issue 49), and the embedding's and the head's fit RAM
+    assert tiers["weight_units"] == "none" and tiers["input_units"] != "none"
+    assert plan.swap["resident_units"] > 0
     applied = plan.apply(replace(cfg, swap={"disk_dir": "/tmp"}))
     assert applied.swap.disk_weights == tiers["weight_units"] and applied.swap.disk_dir == "/tmp"
 
