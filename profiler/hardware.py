@@ -177,9 +177,11 @@ def _gpu(
 # timed), community runs collected in github.com/zzc0721/torch-performance-test-data
 # (database.md and its issues); independent runs agree within ~5%. Pinned copies: CUDA
 # bandwidthTest or nvbandwidth output posted for that card; a PCIe4 x16 link moves ~24-27
-# GB/s one way and roughly half of that H2D while D2H also runs (nvbandwidth's
-# bidirectional tests: NVIDIA/nvbandwidth issues 11 and 15). Where no measurement of a card
-# was found the source says what stands in for it.
+# GB/s one way and roughly half of that H2D while D2H also runs, D2H barely slower
+# (nvbandwidth's bidirectional tests on 8-GPU server boards: NVIDIA/nvbandwidth issues 11,
+# 15 and 53; no desktop board's measurement has been published: `atom profile` on a real
+# machine measures both ways at once, profiler/bandwidth.py). Where no measurement of a
+# card was found the source says what stands in for it.
 PRESETS: dict[str, dict] = {
     # fp16 only (no bf16), PCIe3; not measured: the effective 30 TFLOP/s of earlier
     # releases (spec-derived)
@@ -199,7 +201,8 @@ PRESETS: dict[str, dict] = {
     # matmul 76.34 and 76.58 (database.md, two machines); link: the 4090's PCIe4 x16
     "rtx3090": _gpu("RTX 3090 (24 GB, PCIe4)", 24, 23.9, 26.5, 12, 76.3),
     # matmul 170.06 / 173.31 (database.md), 164.81 (issue 78); copies 23.85 H2D / 26.55
-    # D2H, 16 MiB pinned (NVlabs/cuda-oxide PR 976); H2D under D2H 11-16 (nvbandwidth 15)
+    # D2H, 16 MiB pinned (NVlabs/cuda-oxide PR 976); H2D under D2H 11-16 (nvbandwidth 15,
+    # a server board, not this card's)
     "rtx4090": _gpu("RTX 4090 (24 GB, PCIe4)", 24, 23.9, 26.5, 12, 170),
     # matmul 242.18 (database.md; a cloud 5090 236.03, PR 15); nvbandwidth on a PCIe5
     # server: 56.3 H2D, 57.3 D2H, 50.9 H2D while D2H runs (tinygrad/open-gpu-kernel-modules
