@@ -6,9 +6,18 @@ remainder, the bf16 half the nearest bf16, in place and allocating forms alike.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from atom.optim.remainder import join, join_into, split, split_into
+from atom.optim.remainder import (
+    join,
+    join_into,
+    join_wide,
+    narrow_into,
+    split,
+    split_into,
+    split_wide,
+)
 
 # bf16 upper halves: zeros of both signs, subnormals (smallest, largest), the smallest and
 # largest normals, ordinary weights, values whose rounding carries into the exponent, and
@@ -18,6 +27,11 @@ UPPER_HALVES = [
     0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x8080,
     0x3C23, 0xBC23, 0x3F80, 0xBF80, 0x3F7F, 0x7F7F, 0xFF7F, 0x7F00, 0x4B7F,
 ]  # fmt: skip
+
+
+# masters of every kind for the int32 forms: the above, +-inf, NaNs with payloads (quiet,
+# signalling, both signs, all mantissa bits set)
+KINDS = UPPER_HALVES + [0x7F80, 0xFF80, 0x7FC1, 0xFFA5, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF]
 
 
 def _all_remainders(upper: int) -> torch.Tensor:
@@ -77,3 +91,37 @@ def test_split_traces_under_torch_compile():
     x = _all_remainders(0x3C23)
     compiled = torch.compile(lambda t: join(*split(t * 1.0)), dynamic=False, fullgraph=True)
     assert torch.equal(compiled(x).view(torch.int32), x.view(torch.int32))
+
+
+def _wide(hi: torch.Tensor, rem16: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (join_wide(hi, rem16), *split_wide(x))
+
+
+@pytest.mark.slow  # one Inductor compile, ~10 s the first time on 2 cores
+@pytest.mark.parametrize("flush_denormal", [True, False])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_int32_forms_equal_split_and_join_bit_for_bit(compiled, flush_denormal):
+    """join_wide/split_wide (the compiled host update's form: halves read as bf16, written
+    as int32; the card's: int16) against join/split, on every remainder of masters of every
+    kind: NaN with payloads, +-inf, subnormal, +-0, the largest finite, roundings that
+    carry into the exponent. Compiled by Inductor (vector loops and the scalar tail: 7
+    extra elements), with denormals flushed (as atom train runs) and not."""
+    x = torch.cat([_all_remainders(u) for u in KINDS])
+    x = torch.cat([x, x[:7]])
+    hi, rem = split(x)
+    fn = torch.compile(_wide, dynamic=False, fullgraph=True) if compiled else _wide
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        forms = [(hi, rem.view(torch.bfloat16))]  # the compiled host update's form
+        if not compiled:
+            forms.append((hi.view(torch.int16), rem))  # the card's (eager there)
+        for h, r in forms:
+            joined, hi32, rem32 = fn(h, r, x)
+            assert hi32.dtype == rem32.dtype == torch.int32
+            assert torch.equal(joined.view(torch.int32), x.view(torch.int32)), h.dtype
+            got_hi, got_rem = torch.empty_like(hi), torch.empty_like(rem)
+            narrow_into(hi32, rem32, got_hi, got_rem)
+            assert torch.equal(got_hi.view(torch.int16), hi.view(torch.int16)), h.dtype
+            assert torch.equal(got_rem, rem), h.dtype
+    finally:
+        torch.set_flush_denormal(True)  # as tests/conftest.py leaves it

@@ -7,7 +7,9 @@ state there. Same arithmetic as the host update of the same state format:
   the whole unit would: on the CPU backend the card update equals the host update bit
   for bit (tests/test_card_update.py).
 - compact state: `moments_and_master` and `encode_moments` (atom/optim/compact_kernel.py),
-  the compiled host update's two expressions, on the exact fp32 master (bf16 + remainder).
+  the compiled host update's two expressions, on the exact fp32 master (bf16 + remainder),
+  its 16-bit halves read and written as int16 (native on a card; the compiled host loop
+  reads them as bf16 and writes int32 scratch, for want of int16 vector code).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def compact_chunk(
     else:  # a per-element decay rate: the formula takes a tensor there as well as a scalar
         wd = torch.zeros(n, device=grad.device)
         wd[:n_decay] = lr_wd
-    moments_and_master(grad, master, rem, m_codes, m_scales, s_codes, s_scales,
-                       coef, lr_bc1, rbc2, wd, betas[0], betas[1], m_out, s_out)  # fmt: skip
+    hi = master.view(torch.int16)  # read whole before written: eager, so in place is fine
+    moments_and_master(grad, hi, rem, m_codes, m_scales, s_codes, s_scales, coef, lr_bc1,
+                       rbc2, wd, betas[0], betas[1], m_out, s_out, hi, rem)  # fmt: skip
     encode_moments(m_out, s_out, m_codes, m_scales, s_codes, s_scales)

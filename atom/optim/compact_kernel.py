@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from atom.optim.remainder import join, split
+from atom.optim.remainder import join_wide, narrow_into, split_wide
 from atom.optim.state import ADAM_EPS
 
 log = logging.getLogger(__name__)
@@ -39,12 +39,16 @@ TINY = 1e-30  # the scale of an all-zero block (its codes are zero whatever the 
 
 def moments_and_master(grad, master, rem, m_codes, m_scales, s_codes, s_scales,
                        coef, lr_bc1, rbc2, lr_wd, b1: float, b2: float,
-                       m_out, s_out) -> None:  # fmt: skip
-    """CompactAdamW.step's arithmetic on one chunk, in place, but the moments' encoding:
-    decode the moments, AdamW (torch's formula) on the exact fp32 master (bf16 + remainder); the
-    new moments go to fp32 `m_out`, `s_out` for `encode_moments`. The per-step numbers are
-    0-d tensors (a Python float is a constant to the compiler: a new value every step
-    would compile again every step); b1, b2 are the run's constants."""
+                       m_out, s_out, hi_out, rem_out) -> None:  # fmt: skip
+    """CompactAdamW.step's arithmetic on one chunk but the moments' encoding and the
+    master's store: decode the moments, AdamW (torch's formula) on the exact fp32 master
+    (bf16 + remainder); the new moments go to fp32 `m_out`, `s_out` for `encode_moments`,
+    the new master's halves to `hi_out`, `rem_out`. `master`, `rem`: the 16-bit halves
+    as bf16 (the compiled host update: no int16 in the loop, so Inductor vectorises it;
+    its outputs are int32 scratch for `narrow_into`) or as int16 (the card's eager update,
+    whose outputs are the same two tensors) (atom/optim/remainder.py). The
+    per-step numbers are 0-d tensors (a Python float is a constant to the compiler: a new
+    value every step would compile again every step); b1, b2 are the run's constants."""
     g = grad.float() * coef
     m = (m_codes.view(F8).float().view(-1, BLOCK) * m_scales.unsqueeze(1)).view(-1)
     s = (s_codes.view(F8).float().view(-1, BLOCK) * s_scales.unsqueeze(1)).view(-1)
@@ -52,10 +56,10 @@ def moments_and_master(grad, master, rem, m_codes, m_scales, s_codes, s_scales,
     s = torch.sqrt(s * s * b2 + g * g * (1 - b2))
     m_out.copy_(m)
     s_out.copy_(s)
-    p0 = join(master, rem)
-    new_hi, new_rem = split(p0 + (-lr_bc1 * m / (s * rbc2 + ADAM_EPS) - lr_wd * p0))
-    rem.copy_(new_rem)
-    master.copy_(new_hi)
+    p0 = join_wide(master, rem)
+    new_hi, new_rem = split_wide(p0 + (-lr_bc1 * m / (s * rbc2 + ADAM_EPS) - lr_wd * p0))
+    hi_out.copy_(new_hi)
+    rem_out.copy_(new_rem)
 
 
 def encode_moments(m, s, m_codes, m_scales, s_codes, s_scales) -> None:
@@ -69,21 +73,22 @@ def encode_moments(m, s, m_codes, m_scales, s_codes, s_scales) -> None:
 
 class CompiledChunkUpdate:
     """`moments_and_master` then `encode_moments` under torch.compile, compiled on first
-    use and shared by the unit optimizers of one engine, with their fp32 scratch for the
-    moments (8 MiB). Two compiled loops, not one: in one, Inductor recomputed the decoded
-    moments and AdamW for each pass the encoding makes over a block (its maximum, then the
-    codes), and the update ran 1.2-1.4x slower than with the moments written to scratch in
-    between (`python -m tools.bench.host_update`: 6.84 against 5.75 ns a parameter on one
-    core, 4.33 against 3.09 on two; docs/benchmarks.md). `__call__` returns
-    False, having touched nothing, once the compile has failed: the caller updates that
-    chunk eagerly."""
+    use and shared by the unit optimizers of one engine, with their scratch for the
+    moments (fp32) and the master's two halves (int32, narrowed into the int16 state by
+    one eager copy each: int16 in the loop made Inductor drop its vector code, issue 49):
+    16 MiB. Two compiled loops, not one: in one, Inductor recomputed the decoded moments
+    and AdamW for each pass the encoding makes over a block (its maximum, then the codes),
+    and the update ran 1.2-1.4x slower than with the moments written to scratch in between
+    (`python -m tools.bench.host_update`: 6.84 against 5.75 ns a parameter on one core,
+    4.33 against 3.09 on two; docs/benchmarks.md). `__call__` returns False, having
+    touched nothing, once the compile has failed: the caller updates that chunk eagerly."""
 
     def __init__(self, b1: float, b2: float):
         self.b1, self.b2 = b1, b2
         self.available = True
         self.compile_s: float | None = None  # how long the first call took
         self._update = self._encode = None
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scratch: tuple[torch.Tensor, ...] | None = None
 
     def prepare(self, numel: int) -> None:
         """Compile now, on the calling thread, for chunks of `numel` elements (on stand-in
@@ -101,13 +106,17 @@ class CompiledChunkUpdate:
                  scalars: tuple[torch.Tensor, ...]) -> bool:  # fmt: skip
         if not self.available:
             return False
-        if self._scratch is None or self._scratch[0].numel() != grad.numel():
-            self._scratch = (torch.empty(grad.numel()), torch.empty(grad.numel()))
-        m, s = self._scratch
+        n = grad.numel()
+        if self._scratch is None or self._scratch[0].numel() != n:
+            self._scratch = (torch.empty(n), torch.empty(n), *torch.empty(2, n, dtype=torch.int32))
+        m, s, hi32, rem32 = self._scratch
         codes = (m_codes, m_scales, s_codes, s_scales)
-        args = (grad, master, rem, *codes, *scalars, self.b1, self.b2, m, s)
+        # the remainder's storage read as bf16 in the loop: see atom/optim/remainder.py
+        args = (grad, master, rem.view(torch.bfloat16), *codes, *scalars, self.b1, self.b2,
+                m, s, hi32, rem32)  # fmt: skip
         if self.compile_s is not None:
             self._update(*args)
+            narrow_into(hi32, rem32, master, rem)
             self._encode(m, s, *codes)
             return True
         t0 = time.perf_counter()
@@ -119,7 +128,7 @@ class CompiledChunkUpdate:
             # chunk half updated by the first for the eager update to update again
             trial = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
             update(*trial)
-            encode(trial[-2], trial[-1], *trial[3:7])
+            encode(trial[-4], trial[-3], *trial[3:7])
         except Exception as err:  # no C++ compiler, no Inductor: the eager update does all
             self.available = False
             log.warning(
@@ -133,5 +142,6 @@ class CompiledChunkUpdate:
         self.compile_s = time.perf_counter() - t0
         log.info("compiled the compact update in %.0f s", self.compile_s)
         update(*args)
+        narrow_into(hi32, rem32, master, rem)
         encode(m, s, *codes)
         return True
