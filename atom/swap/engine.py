@@ -125,7 +125,8 @@ class SwapEngine(UnitPasses, EngineState):
         own = {u: self.units[u].n_total for u in self.resident_units}
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype, own)
         # before any weight is written: the card-kept units' slots are their weights' home
-        self.store.card = CardKept(backend, self.slots, self.persistent, lambda: self.worker.check())
+        check = lambda: self.worker.check()  # noqa: E731 (the worker comes later)
+        self.store.card = CardKept(backend, self.slots, self.persistent, check)
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         self.ledger = MemoryLedger(self.slots.nbytes)

@@ -109,8 +109,8 @@ class HostStore:
                    if u.index in kept and same and self.master_is_weights}  # fmt: skip
         # no host compute copy: on the weights tier, or kept on the card (unless it is an
         # fp32 master, which stays)
-        no_copy = disk_weights | {u.index for u, same in zip(units, shares, strict=True)
-                                  if u.index in kept and (u.index in on_card or not same)}
+        bare = {u.index for u, same in zip(units, shares, strict=True) if not same} & kept
+        no_copy = disk_weights | on_card | bare
         requests = [
             (u.n_owned, self.master_dtype) if same else (u.n_total, compute_dtype)
             for u, same in zip(units, shares, strict=True)
@@ -141,8 +141,8 @@ class HostStore:
             rem = torch.zeros(n, dtype=torch.int16) if self.compact else None
             if (spec.index, "rem") in crossing:
                 rem = bus[crossing[spec.index, "rem"]].zero_()
-            buf = UnitBuffers(spec, master, grad, on_bus, rem, compute_is_master=same,
-                              kept=spec.index in kept, master_on_card=spec.index in on_card)
+            flags = {"kept": spec.index in kept, "master_on_card": spec.index in on_card}
+            buf = UnitBuffers(spec, master, grad, on_bus, rem, compute_is_master=same, **flags)
             buf.ready.set()
             self.buffers.append(buf)
 
