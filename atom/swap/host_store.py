@@ -51,6 +51,17 @@ def gather_owned(spec: UnitSpec, get, prefix: str = "") -> torch.Tensor:
     return flat
 
 
+def kept_host_bytes(spec: UnitSpec, compute_dtype: torch.dtype, state: str, paged: bool) -> int:
+    """Host bytes HostStore does not allocate for a unit kept on the card (its weights live
+    in its device slot): its compute copy where that is a buffer of its own, or the bf16
+    master that is the copy itself. An fp32 master (state, not a copy) stays."""
+    master_dtype = torch.float32 if state == "fp32" else torch.bfloat16
+    same = compute_dtype == master_dtype and spec.n_total == spec.n_owned and not paged
+    if not same:
+        return spec.n_total * compute_dtype.itemsize
+    return spec.n_owned * master_dtype.itemsize if master_dtype != torch.float32 else 0
+
+
 @dataclass
 class UnitBuffers:
     spec: UnitSpec
