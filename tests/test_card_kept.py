@@ -39,6 +39,7 @@ STATES = {
     "fp32": ("fp32", torch.float32),
     "fp32, bf16 compute": ("fp32", torch.bfloat16),
 }
+TWO = [STATES["compact"], STATES["fp32"]]
 
 
 def _cfg(state: str, resident: int, clip: float = 0.05, update: str = "exact"):
@@ -116,8 +117,10 @@ def test_the_host_keeps_nothing_the_card_holds(state, dtype):
             if not buf.compute_is_master:
                 assert buf.compute.numel() == 0
         saved = ref.store.nbytes() - kept.store.nbytes()
-        expected = {("compact", torch.bfloat16): 2, ("compact", torch.float32): 4,
-                    ("fp32", torch.float32): 0, ("fp32", torch.bfloat16): 2}[state, dtype]  # fmt: skip
+        # bytes a parameter: the bf16 master, an fp32 or bf16 copy, nothing (fp32 master)
+        per = {("compact", torch.bfloat16): 2, ("compact", torch.float32): 4,
+               ("fp32", torch.float32): 0, ("fp32", torch.bfloat16): 2}  # fmt: skip
+        expected = per[state, dtype]
         n = sum(kept.units[u].n_owned for u in KEPT)
         assert saved == card_kept_bytes(_cfg(state, 3), dtype) == expected * n
         estimates = [host_bytes_needed(_cfg(state, r), dtype)[1] for r in (0, 3)]
@@ -129,14 +132,15 @@ def test_the_host_keeps_nothing_the_card_holds(state, dtype):
             engine.close()
 
 
-@pytest.mark.parametrize("state,dtype", [STATES["compact"], STATES["fp32"]], ids=["compact", "fp32"])
+@pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32"])
 def test_a_checkpoint_resumes_into_weights_on_the_card(tmp_path, state, dtype):
     """A checkpoint of a kept run, loaded into a fresh kept engine (the slots filled from
     it) and into a host-weights one: evaluation (`atom eval`'s path), the next steps and
     the next checkpoint agree bit for bit, and `atom export` of the kept run's checkpoint
     is the host-weights run's export."""
-    from atom.hf.export import export_hf
     from safetensors.torch import load_file
+
+    from atom.hf.export import export_hf
 
     cfg = _cfg(state, 3)
     source = SwapEngine(cfg, CpuBackend(), dtype)
@@ -193,7 +197,7 @@ def _cuda_run(monkeypatch, state, dtype):
         engine.close()
 
 
-@pytest.mark.parametrize("state,dtype", [STATES["compact"], STATES["fp32"]], ids=["compact", "fp32"])
+@pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32"])
 def test_reads_and_writes_of_weights_on_the_card_are_ordered_on_cuda(monkeypatch, state, dtype):
     """The CUDA backend over the fake torch.cuda: a kept unit's reads (checkpoint,
     parameters, peers) wait for its update on the side stream, its writes (initial
