@@ -15,6 +15,7 @@ unit that does not wait for the unit's update is caught.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -24,6 +25,7 @@ from atom.optim import lr_at
 from atom.run.run_config import card_kept_bytes, host_bytes_needed
 from atom.store.checkpoint import load_checkpoint, save_checkpoint
 from atom.swap.backend import CpuBackend
+from atom.swap.card_kept import CardKept
 from atom.swap.card_update import CardUpdate
 from atom.swap.engine import SwapEngine
 from tests.test_card_update import _config, _flat
@@ -42,9 +44,9 @@ STATES = {
 TWO = [STATES["compact"], STATES["fp32"]]
 
 
-def _cfg(state: str, resident: int, clip: float = 0.05, update: str = "exact"):
+def _cfg(state: str, resident: int, clip: float = 0.05, update: str = "exact", card="all"):
     swap = {"state": state, "compile_update": False}
-    return _config("all", clip, update, "unit", 2, resident, swap=swap,
+    return _config(card, clip, update, "unit", 2, resident, swap=swap,
                    train={"max_steps": 30})  # fmt: skip
 
 
@@ -179,44 +181,63 @@ def test_a_checkpoint_resumes_into_weights_on_the_card(tmp_path, state, dtype):
 # ---------------------------------------------------------------------- CUDA ordering
 
 
-def _cuda_run(monkeypatch, state, dtype):
-    from tests.fake_cuda import cuda_backend
-
-    backend, sim = cuda_backend(monkeypatch, 1 << 15)  # a small pool: reads in pieces
-    cfg = _cfg(state, 3, clip=1.0, update="eager")
-    engine = SwapEngine(cfg, backend, dtype)
-    try:
-        with sim.watch():
-            losses = _steps(engine, cfg, range(2))
-        seen = _seen(engine)  # its copies are checked on their own streams
-        _gossip(engine)
-        with sim.watch():
-            losses += _steps(engine, cfg, range(2, 3))
-        return losses, {**seen, **{f"end/{k}": v for k, v in _seen(engine).items()}}, sim
-    finally:
-        engine.close()
+def _cuda_case(engine, cfg, sim=None) -> tuple[list[float], dict]:
+    """Two steps, a peer's add and write at once (before anything else reads the units),
+    what is seen then, a step, what is seen then. `sim`: the steps under its checker (the
+    reads' and writes' copies are checked on their own streams in any case)."""
+    watch = sim.watch if sim is not None else contextlib.nullcontext
+    with watch():
+        losses = _steps(engine, cfg, range(2))
+    _gossip(engine)
+    seen = _seen(engine)
+    with watch():
+        losses += _steps(engine, cfg, range(2, 3))
+    return losses, {**seen, **{f"end/{k}": v for k, v in _seen(engine).items()}}
 
 
 @pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32"])
 def test_reads_and_writes_of_weights_on_the_card_are_ordered_on_cuda(monkeypatch, state, dtype):
     """The CUDA backend over the fake torch.cuda: a kept unit's reads (checkpoint,
     parameters, peers) wait for its update on the side stream, its writes (initial
-    weights, a peer's add and write) for the compute that read it, and the next step's
-    compute for the write; the numbers are the CPU backend's."""
-    cfg = _cfg(state, 3, clip=1.0, update="eager")
+    weights, a peer's add and write) for its update and the compute that read it, and the
+    next step's compute for the write; the numbers are the CPU backend's."""
+    cfg = _cuda_cfg(state)
     engine = SwapEngine(cfg, CpuBackend(), dtype)
     try:
-        want_losses = _steps(engine, cfg, range(2))
-        want = _seen(engine)
-        _gossip(engine)
-        want_losses += _steps(engine, cfg, range(2, 3))
-        want.update({f"end/{k}": v for k, v in _seen(engine).items()})
+        want_losses, want = _cuda_case(engine, cfg)
     finally:
         engine.close()
-    losses, got, sim = _cuda_run(monkeypatch, state, dtype)
-    assert sim.violations == []
+    losses, got, violations = _cuda_run(monkeypatch, cfg, dtype)
+    assert violations == []
     assert losses == want_losses
     _assert_same(got, want)
+
+
+def _cuda_cfg(state: str):
+    # updates beside the backward; the kept units alone on the card, so that unit 1's
+    # update is the step's last side-stream work (no later update's copies order the
+    # streams after it by chance)
+    return _cfg(state, 3, clip=1.0, update="eager", card="1-3")
+
+
+def _cuda_run(monkeypatch, cfg, dtype):
+    from tests.fake_cuda import cuda_backend
+
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)  # a small pool: reads in pieces
+    engine = SwapEngine(cfg, backend, dtype)
+    try:
+        return (*_cuda_case(engine, cfg, sim), sim.violations)
+    finally:
+        engine.close()
+
+
+def test_a_write_that_does_not_wait_for_the_units_update_is_caught(monkeypatch):
+    """Planted: the card update records no marker of its last write of the slot, so a
+    peer's write right after the step (fp32 state: no read of the slot before it) copies
+    into the slot while the update's side stream may still be writing it: caught."""
+    monkeypatch.setattr(CardKept, "updated", lambda self, unit, marker: None)
+    violations = _cuda_run(monkeypatch, _cuda_cfg("fp32"), torch.float32)[2]
+    assert any("overwrites" in v for v in violations), violations[:3]
 
 
 def _read_during_update(monkeypatch, planted: bool):

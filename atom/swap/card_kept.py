@@ -19,10 +19,17 @@ merges, evaluation's load) comes here, a unit at a time, holding the unit's lock
             host source is kept until the copy has read it
 
 The lock is what keeps a read from racing the unit's update: the update holds it from its
-first read of the state until its last piece has landed (atom/swap/card_update.py).
+first read of the state until its last piece has landed (atom/swap/card_update.py). A
+write from outside a step (a peer's merge) also waits for the step to end (`gate`, held by
+a step and an evaluation: `stepping`): a kernel of the step may read the slot at any time,
+and a write under it would hand that kernel half-old, half-new weights. A read needs no
+such wait (the step's kernels only read the slot; its update holds the lock).
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 
@@ -37,6 +44,18 @@ def copied(t: Transfer) -> None:
         t.cuda_event.synchronize()
 
 
+def stepping(method):
+    """An engine method that runs the card-kept slots' kernels (a step, an evaluation):
+    writes from other threads wait for it to return (`CardKept.gate`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.store.card.gate:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class CardKept:
     def __init__(self, backend: Backend, slots: DeviceSlots, units: frozenset[int], abort=None):
         """`units`: the card-kept units, whose slots are held from now on. `abort` raises
@@ -46,6 +65,9 @@ class CardKept:
         for u in sorted(units):
             slots.hold(u)
         self.after: dict[int, object] = {}  # unit -> marker after its slot's last write
+        # held by a step or evaluation; a write from another thread takes it before the
+        # unit's lock (the step takes unit locks inside it): HostStore.shared_unit
+        self.gate = threading.RLock()
         self.bytes_read = self.bytes_written = 0  # over the bus (tests, benchmarks)
 
     def updated(self, unit: int, marker: object) -> None:

@@ -37,7 +37,7 @@ from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_pa
 from atom.model.documents import micro_batch
 from atom.swap.activations import ActivationDisk
 from atom.swap.backend import Backend
-from atom.swap.card_kept import CardKept
+from atom.swap.card_kept import CardKept, stepping
 from atom.swap.card_update import CardGradients, CardUpdate, parse_units
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.engine_state import EngineState
@@ -232,6 +232,7 @@ class SwapEngine(UnitPasses, EngineState):
                 self._load(unit)
 
     # ------------------------------------------------------------------ one step
+    @stepping
     def train_step(
         self,
         batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -528,6 +529,7 @@ class SwapEngine(UnitPasses, EngineState):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
+    @stepping
     def evaluate(self, batches: list[tuple], weights: list[float] | None = None) -> float:
         """Mean loss over batches (weighted: by each one's learned tokens, say), unit-major:
         each unit is loaded once for all of them."""

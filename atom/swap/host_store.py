@@ -29,7 +29,7 @@ the slot. An fp32 master stays on the host (it is the state, not the weights' co
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -255,18 +255,20 @@ class HostStore:
         """Unit `index` as peers see it (atom.ground.engine_protocol.SharedUnit): fp32 read, add and
         write of its master, each under the unit's lock, the compute copy refreshed."""
         buf = self.buffers[index]
+        # a unit kept on the card is written between steps (card_kept.py: the gate)
+        gate = self.card.gate if buf.kept else nullcontext()
 
         def read() -> torch.Tensor:
             with buf.lock:
                 return self.read_master(index)
 
         def add(delta: torch.Tensor) -> None:
-            with buf.lock:
+            with gate, buf.lock:
                 self.add_master(index, delta)
                 self.refresh_compute(index)
 
         def write(values: torch.Tensor) -> None:
-            with buf.lock:
+            with gate, buf.lock:
                 self.write_master(index, values)
                 self.refresh_compute(index)
 
