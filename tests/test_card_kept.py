@@ -16,6 +16,7 @@ unit that does not wait for the unit's update is caught.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import pytest
@@ -129,6 +130,10 @@ def test_the_host_keeps_nothing_the_card_holds(state, dtype):
         assert estimates[0] - estimates[1] == saved
         assert kept.store.card.bytes_written == n * dtype.itemsize  # the initial weights
         assert ref.store.card.bytes_written == 0
+        # and nothing of them comes back with each update: the same bytes a parameter less
+        for engine in engines.values():
+            _steps(engine, _cfg(state, 0), range(2))
+        assert ref.card.bytes_down - kept.card.bytes_down == 2 * expected * n
     finally:
         for engine in engines.values():
             engine.close()
@@ -294,3 +299,34 @@ def test_a_checkpoint_read_that_does_not_wait_for_the_update_is_caught(monkeypat
     assert torch.equal(got, final)
     _, _, violations = _read_during_update(monkeypatch, planted=True)
     assert any("reads" in v for v in violations), violations[:3]
+
+
+def test_a_peer_merging_during_training_waits_for_the_step(monkeypatch):
+    """A peer's thread adds into a kept unit again and again while the CUDA backend (over
+    the fake torch.cuda) trains: each add lands between steps (a kernel may read the slot
+    at any time), neither side waits for ever, and no copy is out of order."""
+    from tests.fake_cuda import cuda_backend
+
+    cfg = _cuda_cfg("compact")
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)
+    engine = SwapEngine(cfg, backend, torch.bfloat16)
+    shared, stop, adds = engine.shared_units()[2], threading.Event(), []
+
+    def peer() -> None:
+        while not stop.is_set() and len(adds) < 50:
+            shared.add(torch.full((shared.numel,), 1e-4))
+            adds.append(1)
+
+    try:
+        thread = threading.Thread(target=peer)
+        thread.start()
+        with sim.watch():
+            losses = _steps(engine, cfg, range(3))
+        stop.set()
+        thread.join(timeout=60)
+        assert not thread.is_alive() and adds
+        assert sim.violations == []
+        assert all(math.isfinite(x) for x in losses)
+    finally:
+        stop.set()
+        engine.close()
