@@ -80,6 +80,8 @@ class CardKept:
         slot = self.slots.flat_of(unit)[:n]
         out = torch.empty(n, dtype=slot.dtype)
         pool = self.backend.staging_bytes()
+        # about one staging chunk a copy (CudaBackend's pool has 8): a read from a peer's
+        # thread then never holds chunks that the step's own copies wait for
         step = n if pool is None else max(1, pool // 8 // slot.element_size())
         for start in range(0, n, step):
             t = self.backend.d2h(slot[start : start + step], self.after.get(unit), self.abort)

@@ -223,7 +223,7 @@ class HostStore:
         """Set the unit's weights from `get(name)` (a checkpoint's fp32 tensors), one
         tensor at a time: fp32 master takes them in place, with no unit-sized copy."""
         buf = self.buffers[index]
-        if not self.compact:
+        if not (self.compact or buf.master_on_card):
             for name, view in buf.spec.owned_views(buf.master).items():
                 view.copy_(get(name))
             return
