@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 # kernels and copies are not launch-bound, small enough that two chunks' state is a few
 # hundred MiB at most (fp32 state: 12 bytes an element)
 DEVICE_CHUNK = 8 * CHUNK
+# chunks whose copies back straight into the host state may be in flight at once (what
+# two chunks' share of the staging pool allowed before)
+IN_PLACE = 2
 
 
 def eligible(units: list[UnitSpec], index: int) -> bool:
@@ -205,6 +208,8 @@ class CardUpdate:
         self.chunk_limit = chunk  # at most; fewer where the staging pool is small (_chunk)
         self.updates = 0
         self.bytes_up = self.bytes_down = 0  # state over the bus (benchmarks, tests)
+        self.landed_in_place = 0  # chunks copied straight into the host state (tests)
+        self._in_flight: list = []  # their transfers, the oldest first
 
     def run(
         self, u: int, grad: torch.Tensor, coef: float, lr: float, slot: torch.Tensor | None = None
@@ -345,7 +350,10 @@ class CardUpdate:
             compact_chunk(g, w, r, *codes, scalars, betas, decayed if cfg.weight_decay else 0)
             if slot is not None and not (slot_master and n == span):
                 slot[start:end].copy_(w[:n])
-            out = [w[:n]] * len(master_back) + [r[:n], *codes]
+            # the slot itself (n == span) is rewritten by the next update: a copy of it
+            # crosses back (a copy straight from it would have to be waited for there)
+            back = w[:n].clone() if master_back and slot_master and n == span else w[:n]
+            out = [back] * len(master_back) + [r[:n], *codes]
             host = [m[start:end] for m in master_back] + state_of(piece)
             return list(zip(out, host, strict=True)) + self._compute_copy(buf, w[:n], start, end)
 
@@ -392,9 +400,13 @@ class CardUpdate:
 
     def _land(self, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each device tensor back into its host destination (a contiguous view of the
-        unit's state) on the host worker. One transfer for all of a chunk's tensors, packed
-        as bytes on the device: a transfer takes whole staging chunks, and six small ones a
-        chunk (the block scales are 1/256 of it) would hold six."""
+        unit's state). Where the backend page-locks the state (CUDA: every card unit's
+        state, and the NVMe tier's slots, come from its pinned arena) straight into it
+        (`_land_in_place`); else through the staging pool, landed on the host worker: one
+        transfer for all of a chunk's tensors, packed as bytes on the device (a transfer
+        takes whole staging chunks, and six small ones a chunk would hold six)."""
+        if self.backend.pins_host and self._land_in_place(outs):
+            return
         packed = torch.cat([src.reshape(-1).view(torch.uint8) for src, _ in outs])
         dests = [dst.view(torch.uint8) for _, dst in outs]
         self.bytes_down += packed.nbytes
@@ -410,3 +422,20 @@ class CardUpdate:
         except BaseException:
             self.backend.release_host(transfer)
             raise
+
+    def _land_in_place(self, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """The chunk's tensors copied by DMA straight into their page-locked destinations:
+        no staging, no host copy after (the host memory sees each byte once, not three
+        times). At most IN_PLACE chunks in flight, as the staging pool bounded them: the
+        device memory of a chunk's state goes back only once its copies are done."""
+        transfer = self.backend.d2h_into(outs)
+        if transfer is None:
+            return False
+        self.bytes_down += sum(src.nbytes for src, _ in outs)
+        self.landed_in_place += 1
+        self._in_flight.append(transfer)
+        if len(self._in_flight) > IN_PLACE:
+            self.backend.wait_host(self._in_flight.pop(0))
+        # the unit is given back (ready, lock) behind this: once the bytes are there
+        self.worker.submit(lambda: self.backend.wait_host(transfer))
+        return True
