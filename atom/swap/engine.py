@@ -125,8 +125,7 @@ class SwapEngine(UnitPasses, EngineState):
         own = {u: self.units[u].n_total for u in self.resident_units}
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype, own)
         # before any weight is written: the card-kept units' slots are their weights' home
-        check = lambda: self.worker.check()  # noqa: E731 (the worker comes later)
-        self.store.card = CardKept(backend, self.slots, self.persistent, check)
+        self.store.card = CardKept(backend, self.slots, self.persistent)
         if init:
             self.store.init_weights(cfg.model, cfg.train.seed)
         self.ledger = MemoryLedger(self.slots.nbytes)
@@ -136,6 +135,7 @@ class SwapEngine(UnitPasses, EngineState):
         self.worker = HostWorker(
             self._unblock_all, host_worker_threads(backend.device.type), inline=backend.inline
         )
+        self.store.card.abort = self.worker.check  # a read waiting for a staging chunk
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
         # from a step's first queued unit update to its end: it can no longer stop, and
