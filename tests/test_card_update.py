@@ -218,21 +218,24 @@ def test_units_updated_on_the_card_keep_their_moments_only_on_the_nvme_tier(monk
 
 
 def test_resident_units_updated_on_the_card_stay_on_the_device_across_steps():
-    """Resident + card-updated: loaded by the first step only (later steps move only the
-    streamed units' weights), and training is still bit-equal to the host update."""
+    """Resident + card-updated: their weights go up once, when the engine is built (no
+    step loads them: every step moves only the streamed units' weights), and training is
+    still bit-equal to the host update."""
     cfg = _config("all", 0.0, "exact", "unit", 2, 3)
     engine = SwapEngine(cfg, CpuBackend(), torch.float32)
     host = _train(_config("none", 0.0, "exact", "unit", 2, 3))
     try:
         assert engine.persistent == {1, 2, 3}
+        blocks = sum(engine.units[u].n_owned * 4 for u in (1, 2, 3))
+        assert engine.store.card.bytes_written == blocks  # the initial weights, once
         loaded = []
         for s in range(STEPS):
             before = engine.slots.bytes_loaded
             engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train))
             loaded.append(engine.slots.bytes_loaded - before)
-        blocks = sum(engine.store.buffers[u].compute.nbytes for u in (1, 2, 3))
-        assert loaded[0] - loaded[1] == blocks  # their only load was step 1's
-        assert len(set(loaded[1:])) == 1
+        streamed = sum(engine.store.buffers[u].compute.nbytes for u in (0, 4))
+        assert len(set(loaded)) == 1 and 0 < loaded[0] <= 2 * streamed  # forward, backward
+        assert engine.store.card.bytes_written == blocks
         assert set(engine.slots.resident_units()) >= {1, 2, 3}  # between steps too
         files = _flat(dict(engine.state_files()))
     finally:
@@ -392,9 +395,11 @@ def test_an_update_that_does_not_wait_for_its_state_copy_is_caught(monkeypatch):
 def test_a_state_chunk_reused_before_its_copy_landed_is_caught(monkeypatch):
     """The staging chunks of the state's D2H go back to the pool at once: the next copy
     overwrites host memory the landing has not read."""
+    from atom.swap.backend import CudaBackend
     from tests.fake_cuda import cuda_backend, release_staging_early
 
     release_staging_early(monkeypatch)
+    monkeypatch.setattr(CudaBackend, "d2h_into", lambda self, pairs: None)  # staged
     cfg = _cuda_config("fp32", 0.0, "exact", 0)
     backend, sim = cuda_backend(monkeypatch, 1 << 16)
     sim.copy_delay_s = 0.2  # the landing sleeps in its wait while the next copy is issued
@@ -406,6 +411,53 @@ def test_a_state_chunk_reused_before_its_copy_landed_is_caught(monkeypatch):
     finally:
         engine.close()
     assert any("on the host reads" in v for v in sim.violations), sim.violations[:3]
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact"])
+def test_the_new_state_lands_in_place_with_the_staged_bits(monkeypatch, state):
+    """On CUDA the state is page-locked: its copies back go straight into it (no staging
+    pool, no host copy after), and land the same bits as through the staging pool."""
+    from atom.swap.backend import CudaBackend
+    from tests.fake_cuda import cuda_backend
+
+    dtype = torch.bfloat16 if state == "compact" else torch.float32
+    cfg = _cuda_config(state, 0.0, "exact", 0)
+    runs = []
+    for in_place in (True, False):
+        if not in_place:
+            monkeypatch.setattr(CudaBackend, "d2h_into", lambda self, pairs: None)
+        backend, sim = cuda_backend(monkeypatch, 1 << 15)
+        sim.copy_delay_s = 0.01  # a landing read before its copy is done would read NaN
+        engine = SwapEngine(cfg, backend, dtype)
+        try:
+            with sim.watch():
+                losses = [engine.train_step(batches_for(s, cfg), lr_at(s, cfg.train)).loss
+                          for s in range(2)]  # fmt: skip
+            files = _flat(dict(engine.state_files()))
+            runs.append((losses, files, engine.card.landed_in_place, engine.card.bytes_down))
+        finally:
+            engine.close()
+        assert sim.violations == []
+    (losses, files, chunks, down), (want_losses, want, staged, want_down) = runs
+    assert chunks > 0 and staged == 0 and down == want_down
+    assert losses == want_losses
+    for name, tensor in want.items():
+        assert torch.equal(files[name], tensor), name
+
+
+def test_a_landing_in_place_not_waited_for_is_caught(monkeypatch):
+    """Planted: the host worker does not wait for the copies into the state before it gives
+    the unit back, so the next step's copy up reads state the copy back may not have
+    written: caught."""
+    from atom.swap.backend import CudaBackend, _wait_issued
+    from tests.fake_cuda import cuda_backend
+
+    monkeypatch.setattr(CudaBackend, "wait_host", lambda self, t: _wait_issued(t))
+    cfg = _cuda_config("fp32", 0.0, "exact", 0)
+    backend, sim = cuda_backend(monkeypatch, 1 << 15)
+    sim.copy_delay_s = 0.05
+    _cuda_train(cfg, backend, torch.float32, sim)
+    assert any("host" in v for v in sim.violations), sim.violations[:3]
 
 
 def test_the_update_runs_beside_the_compute_and_the_next_step_waits_for_it(monkeypatch):

@@ -121,28 +121,48 @@ def host_bytes_needed(cfg: Config, dtype: torch.dtype) -> tuple[int, int]:
     a = ModelAnalysis.of(cfg)
     disk = cfg.swap.disk_dir is not None
     need = a.host_bytes(dtype, cfg.swap.state, disk, cfg.swap.disk_slots)
-    need -= card_grad_bytes(cfg)
+    need -= card_grad_bytes(cfg) + card_kept_bytes(cfg, dtype)
     return a.n_params, need + outer_state_bytes(cfg, a.n_params)
 
 
-def card_grad_bytes(cfg: Config) -> int:
-    """The host gradient the units updated on the device (swap.card_update) do not have
-    (atom/swap/host_store.py allocates none; their gradient stays on the device): n_total
-    elements of the master's dtype (4 bytes, 2 in compact state) per card unit, chosen as
-    the engine chooses them (atom/swap/card_update.py parse_units)."""
-    if cfg.swap.card_update.strip() in ("", "none"):
-        return 0  # no second meta build of the model
+def _card_units(cfg: Config) -> tuple[list, set[int]]:
+    """(the units, those updated on the device), chosen as the engine chooses them
+    (atom/swap/card_update.py parse_units)."""
     from atom.model import build_model
     from atom.swap.card_update import parse_units
     from atom.swap.units import partition
 
     units = partition(build_model(cfg.model, device="meta"), cfg.swap.layers_per_unit)
     try:
-        card = parse_units(cfg.swap.card_update, units)
+        return units, parse_units(cfg.swap.card_update, units)
     except ValueError as err:  # as the engine words it (atom/swap/engine.py)
         raise ConfigError(str(err)) from None
+
+
+def card_grad_bytes(cfg: Config) -> int:
+    """The host gradient the units updated on the device (swap.card_update) do not have
+    (atom/swap/host_store.py allocates none; their gradient stays on the device): n_total
+    elements of the master's dtype (4 bytes, 2 in compact state) per card unit."""
+    if cfg.swap.card_update.strip() in ("", "none"):
+        return 0  # no second meta build of the model
+    units, card = _card_units(cfg)
     per = 2 if cfg.swap.state == "compact" else 4  # bf16 or fp32, the master's dtype
     return sum(units[u].n_total for u in card) * per
+
+
+def card_kept_bytes(cfg: Config, dtype: torch.dtype) -> int:
+    """The host copy of the weights that units kept on the card (resident across steps,
+    swap.resident_units, and updated there) do not have: their weights live in their
+    device slot alone (atom/swap/host_store.py kept_host_bytes, per unit)."""
+    if cfg.swap.card_update.strip() in ("", "none") or cfg.swap.resident_units < 1:
+        return 0
+    from atom.swap.host_store import kept_host_bytes
+
+    units, card = _card_units(cfg)
+    n = len(units)  # the block units nearest the head (atom/swap/engine.py)
+    kept = card & set(range(n - 1 - cfg.swap.resident_units, n - 1))
+    paged = cfg.swap.disk_dir is not None
+    return sum(kept_host_bytes(units[u], dtype, cfg.swap.state, paged) for u in kept)
 
 
 def outer_state_bytes(cfg: Config, n_params: int) -> int:

@@ -161,6 +161,17 @@ class Backend:
     def staging_bytes(self) -> int | None:  # the D2H staging pool's (None: no pool)
         return None
 
+    def d2h_into(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Transfer | None:
+        """Copy each device tensor straight into its host destination, contiguous and
+        page-locked (no staging pool, no host copy after: half the host memory traffic),
+        after the work issued so far on the current stream; the transfer's `cuda_event`
+        marks them done (`wait_host`). None where the backend cannot (the caller stages)."""
+        return None
+
+    def wait_host(self, t: Transfer) -> None:
+        """The calling host thread waits until `d2h_into`'s copies have landed."""
+        _wait_issued(t)
+
     def offload(self, t: torch.Tensor) -> torch.Tensor:
         """Move an activation to host memory (activation offload); `fetch` brings it back."""
         return t
@@ -440,6 +451,25 @@ class CudaBackend(Backend):
 
     def staging_bytes(self) -> int | None:
         return self._chunk_bytes * self._staging_chunks
+
+    def d2h_into(self, pairs):
+        if not all(dst.is_contiguous() and not dst.is_cuda for _, dst in pairs):
+            return None
+        t = Transfer()
+        self.d2h_stream.wait_event(self.record())  # the sources are written
+        with torch.cuda.stream(self.d2h_stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+            t.cuda_event = torch.cuda.Event(blocking=True)  # the host worker sleeps on it
+            t.cuda_event.record(self.d2h_stream)
+        for src, _ in pairs:  # made on another stream: not reused before the copy is done
+            src.record_stream(self.d2h_stream)
+        t.issued.set()
+        return t
+
+    def wait_host(self, t: Transfer) -> None:
+        _wait_issued(t)
+        t.cuda_event.synchronize()
 
     def _free_staging(self, abort) -> torch.Tensor:
         """A free staging chunk. Their consumer is the host worker: when it has failed,

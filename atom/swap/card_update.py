@@ -13,16 +13,19 @@ time, the next chunk's copy issued before this chunk's update runs (double-buffe
     compute stream      the chunk's AdamW (atom/optim/chunk_update.py), with the gradient
                         summed on the device
     D2H (staging pool)  the new state, and the new compute copy of the weights where it is
-                        not the master itself; the host worker lands each piece in place
+                        not the master itself; the host worker lands each piece in place.
+                        A unit kept on the card (its weights' only home is its slot,
+                        atom/swap/card_kept.py) sends no compute copy back, nor, where
+                        the master is that copy (compact: its bf16 upper half), the master
 
 The update's kernels and its copies' waits run on a side stream (Backend.side_stream),
 so the backward of the next units goes on meanwhile; the next step's compute waits for
 the side stream before it reads a slot the update wrote (Backend.join_side).
 
-Bytes over the bus a parameter: 12 each way in fp32 state (+ the compute copy down); in
-compact state about 4 up (+2 for the bf16 master where the slot cannot supply it) and 6
-down (the master comes back so the host's copy stays current), against the host update's
-gradient down and nothing up.
+Bytes over the bus a parameter: 12 each way in fp32 state (+ the compute copy down, unless
+kept on the card); in compact state about 4 up (+2 for the bf16 master where the slot
+cannot supply it) and 4 down (+2 for the master where the host keeps it), against the host
+update's gradient down and nothing up.
 
 The unit's lock is held from the first read of its state until the last piece has
 landed (a peer's merge in between would be overwritten, lost), and its `ready` event is
@@ -57,6 +60,9 @@ log = logging.getLogger(__name__)
 # kernels and copies are not launch-bound, small enough that two chunks' state is a few
 # hundred MiB at most (fp32 state: 12 bytes an element)
 DEVICE_CHUNK = 8 * CHUNK
+# chunks whose copies back straight into the host state may be in flight at once (what
+# two chunks' share of the staging pool allowed before)
+IN_PLACE = 2
 
 
 def eligible(units: list[UnitSpec], index: int) -> bool:
@@ -202,6 +208,8 @@ class CardUpdate:
         self.chunk_limit = chunk  # at most; fewer where the staging pool is small (_chunk)
         self.updates = 0
         self.bytes_up = self.bytes_down = 0  # state over the bus (benchmarks, tests)
+        self.landed_in_place = 0  # chunks copied straight into the host state (tests)
+        self._in_flight: list = []  # their transfers, the oldest first
 
     def run(
         self, u: int, grad: torch.Tensor, coef: float, lr: float, slot: torch.Tensor | None = None
@@ -217,8 +225,8 @@ class CardUpdate:
         buf.lock.acquire()
         buf.ready.clear()
         handed_over = paged = weights = False
-        # a peer's merge since the slot was loaded: the host master is the newer one
-        from_slot = slot is not None and not buf.changed
+        # kept on the card: the slot holds the weights (a peer's merge writes it there)
+        from_slot = slot is not None
 
         def give_back() -> None:
             if paged:  # every piece has landed in the record: its write goes out now
@@ -244,8 +252,8 @@ class CardUpdate:
                     self._compact(u, grad, coef, lr, chunk, slot, from_slot)
                 else:
                     self._fp32(u, grad, coef, lr, chunk, slot)
-            if slot is not None:
-                buf.changed = False  # the slot holds the new weights, as the host will
+                if slot is not None:  # a read of the slot waits for this (card_kept.py)
+                    self.store.card.updated(u, self.backend.record())
             handed_over = True
             self.worker.submit(lambda: None, cleanup=give_back)
         except BaseException:
@@ -263,7 +271,9 @@ class CardUpdate:
         """Elements per chunk: `chunk_limit`, or fewer where two chunks' packed state would
         not fit the D2H staging pool (a small model's pool is one small unit's gradient)."""
         per = 6 if self.store.compact else 12  # state bytes back per element
-        if not buf.compute_is_master:
+        if buf.master_on_card:
+            per -= buf.compute.element_size()  # the master stays in the slot
+        elif not (buf.compute_is_master or buf.kept):
             per += buf.compute.element_size()
         pool = self.backend.staging_bytes()
         fits = DEVICE_CHUNK if pool is None else pool // 2 // (per + 1)  # +1: block scales
@@ -309,8 +319,10 @@ class CardUpdate:
         betas = (cfg.beta1, cfg.beta2)
         scalars = compact_scalars(coef, lr, opt.steps, betas, cfg.weight_decay, grad.device)
         pieces = [(s, min(opt.n, s + chunk)) for s in range(0, opt.n, chunk)]
-        # the master's upper half read from the unit's bf16 slot: it does not cross up
+        # the master's upper half read from the unit's bf16 slot: it does not cross up (nor
+        # back, where the slot is its only home)
         slot_master = from_slot and slot.dtype == torch.bfloat16
+        master_back = [] if buf.master_on_card else [buf.master]
 
         def state_of(piece) -> list[torch.Tensor]:  # up and back: remainder, codes, scales
             start, end = piece
@@ -338,16 +350,20 @@ class CardUpdate:
             compact_chunk(g, w, r, *codes, scalars, betas, decayed if cfg.weight_decay else 0)
             if slot is not None and not (slot_master and n == span):
                 slot[start:end].copy_(w[:n])
-            out = [w[:n], r[:n], *codes]
-            host = [buf.master[start:end], *state_of(piece)]
+            # the slot itself (n == span) is rewritten by the next update: a copy of it
+            # crosses back (a copy straight from it would have to be waited for there)
+            back = w[:n].clone() if master_back and slot_master and n == span else w[:n]
+            out = [back] * len(master_back) + [r[:n], *codes]
+            host = [m[start:end] for m in master_back] + state_of(piece)
             return list(zip(out, host, strict=True)) + self._compute_copy(buf, w[:n], start, end)
 
         self._stream(pieces, host_of, update)
 
     def _compute_copy(self, buf, weights: torch.Tensor, start: int, end: int) -> list:
         """The new weights into the unit's compute copy on the host, where that is a buffer
-        of its own (a bf16 copy of an fp32 master, say): (device tensor, host view)."""
-        if buf.compute_is_master:
+        of its own (a bf16 copy of an fp32 master, say): (device tensor, host view). None
+        for a unit kept on the card: its slot is its compute copy."""
+        if buf.compute_is_master or buf.kept:
             return []
         dst = buf.compute[start:end]
         return [(weights.to(dst.dtype), dst)]
@@ -384,9 +400,13 @@ class CardUpdate:
 
     def _land(self, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy each device tensor back into its host destination (a contiguous view of the
-        unit's state) on the host worker. One transfer for all of a chunk's tensors, packed
-        as bytes on the device: a transfer takes whole staging chunks, and six small ones a
-        chunk (the block scales are 1/256 of it) would hold six."""
+        unit's state). Where the backend page-locks the state (CUDA: every card unit's
+        state, and the NVMe tier's slots, come from its pinned arena) straight into it
+        (`_land_in_place`); else through the staging pool, landed on the host worker: one
+        transfer for all of a chunk's tensors, packed as bytes on the device (a transfer
+        takes whole staging chunks, and six small ones a chunk would hold six)."""
+        if self.backend.pins_host and self._land_in_place(outs):
+            return
         packed = torch.cat([src.reshape(-1).view(torch.uint8) for src, _ in outs])
         dests = [dst.view(torch.uint8) for _, dst in outs]
         self.bytes_down += packed.nbytes
@@ -402,3 +422,20 @@ class CardUpdate:
         except BaseException:
             self.backend.release_host(transfer)
             raise
+
+    def _land_in_place(self, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """The chunk's tensors copied by DMA straight into their page-locked destinations:
+        no staging, no host copy after (the host memory sees each byte once, not three
+        times). At most IN_PLACE chunks in flight, as the staging pool bounded them: the
+        device memory of a chunk's state goes back only once its copies are done."""
+        transfer = self.backend.d2h_into(outs)
+        if transfer is None:
+            return False
+        self.bytes_down += sum(src.nbytes for src, _ in outs)
+        self.landed_in_place += 1
+        self._in_flight.append(transfer)
+        if len(self._in_flight) > IN_PLACE:
+            self.backend.wait_host(self._in_flight.pop(0))
+        # the unit is given back (ready, lock) behind this: once the bytes are there
+        self.worker.submit(lambda: self.backend.wait_host(transfer))
+        return True

@@ -37,6 +37,7 @@ from atom.model.compiled_blocks import compile_blocks, hidden_state, stand_in_pa
 from atom.model.documents import micro_batch
 from atom.swap.activations import ActivationDisk
 from atom.swap.backend import Backend
+from atom.swap.card_kept import CardKept, stepping
 from atom.swap.card_update import CardGradients, CardUpdate, parse_units
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.engine_state import EngineState
@@ -91,8 +92,8 @@ class SwapEngine(UnitPasses, EngineState):
         )
         paged = cfg.swap.disk_dir is not None
         # units kept on the device for a whole step, each in a slot of its own: the block
-        # units nearest the head; those updated on the card stay across steps too (their
-        # update writes the new weights into the slot), `persistent`
+        # units nearest the head; those updated on the card stay across steps too, their
+        # weights living in the slot alone (card_kept.py), `persistent`
         n_res = cfg.swap.resident_units
         self.resident_units = set(range(len(self.units) - 1 - n_res, len(self.units) - 1))
         self.persistent = frozenset(self.resident_units & self.card_units)
@@ -101,7 +102,7 @@ class SwapEngine(UnitPasses, EngineState):
         )
         self.store = HostStore(
             self.units, backend, compute_dtype, cfg.swap.state, paged, frozenset(self.card_units),
-            on_disk,
+            on_disk, self.persistent,
         )  # fmt: skip
         # paged units' moments live in the tier's records, which the card update reads: no
         # page-locked moments of their own (unused, they would be most of the host RAM)
@@ -120,11 +121,13 @@ class SwapEngine(UnitPasses, EngineState):
             n_wslots = weight_slots(cfg.swap.prefetch)
             alloc = backend.alloc_host_many if backend.pins_host else None
             self.wdisk = DiskWeights(cfg.swap.disk_dir, on_disk, self.store, n_wslots, alloc)
-        if init:
-            self.store.init_weights(cfg.model, cfg.train.seed)
         largest = max(u.n_total for u in self.units)
         own = {u: self.units[u].n_total for u in self.resident_units}
         self.slots = DeviceSlots(backend, cfg.swap.prefetch + 1, largest, compute_dtype, own)
+        # before any weight is written: the card-kept units' slots are their weights' home
+        self.store.card = CardKept(backend, self.slots, self.persistent)
+        if init:
+            self.store.init_weights(cfg.model, cfg.train.seed)
         self.ledger = MemoryLedger(self.slots.nbytes)
         self.scaler = LossScaler() if compute_dtype == torch.float16 else None
         self.timing = resolve_timing(cfg.swap.update, cfg.train.grad_clip, self.scaler is not None)
@@ -132,6 +135,7 @@ class SwapEngine(UnitPasses, EngineState):
         self.worker = HostWorker(
             self._unblock_all, host_worker_threads(backend.device.type), inline=backend.inline
         )
+        self.store.card.abort = self.worker.check  # a read waiting for a staging chunk
         self._norm_sq = [0.0] * len(self.units)
         self._lr = cfg.train.lr
         # from a step's first queued unit update to its end: it can no longer stop, and
@@ -180,17 +184,11 @@ class SwapEngine(UnitPasses, EngineState):
         for buf in self.store.buffers:
             buf.ready.set()
 
-    def _reload_changed(self) -> None:
-        """Before a step: the card updates' writes to the slots are done (the side stream),
-        and a unit kept on the device whose weights changed on the host since (a peer's
-        merge, a checkpoint loaded) leaves its slot, so the step loads it anew."""
+    def _join_side(self) -> None:
+        """Before a step: the card updates' writes to the slots are done (the side stream).
+        A host write into a card-kept unit's slot (a peer's merge, a checkpoint loaded) made
+        the compute wait for it already (card_kept.py)."""
         self.backend.join_side()
-        for u in self.persistent:
-            buf = self.store.buffers[u]
-            if buf.changed and self.slots.has(u):
-                with buf.lock:
-                    self.slots.release(u)
-                    buf.changed = False
 
     def _load(self, unit: int) -> None:
         """Start copying a unit to the device once its compute buffer is final: the unit and
@@ -234,6 +232,7 @@ class SwapEngine(UnitPasses, EngineState):
                 self._load(unit)
 
     # ------------------------------------------------------------------ one step
+    @stepping
     def train_step(
         self,
         batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -257,7 +256,7 @@ class SwapEngine(UnitPasses, EngineState):
             self._norm_sq = [0.0] * N
         st = StepState(torch.zeros((), device=self.backend.device, dtype=torch.float32))
         ledger_at_start = self.ledger.current
-        self._reload_changed()
+        self._join_side()
         self._begin_loads(plan)
         try:
             self._advance(plan, -1, None)
@@ -323,7 +322,8 @@ class SwapEngine(UnitPasses, EngineState):
             except Exception:  # the error that ended the step may be this one's own
                 log.exception("%s failed while abandoning a step", what)
 
-        attempt(self.slots.release_all, "freeing the device slots")
+        # the card-kept units' slots stay: their weights live nowhere else
+        attempt(lambda: self.slots.release_all(keep=self.persistent), "freeing the device slots")
         attempt(self.backend.synchronize, "device synchronize")
         for (u, _), x in st.saved.items():
             if self._offloaded(u) and x is not ON_DISK:
@@ -476,7 +476,7 @@ class SwapEngine(UnitPasses, EngineState):
 
     def _slot_of(self, u: int) -> torch.Tensor | None:
         """A unit's device copy, kept across steps, that its card update writes into."""
-        return self.slots.flat_of(u) if u in self.persistent and self.slots.has(u) else None
+        return self.slots.flat_of(u) if u in self.persistent else None
 
     def _update(self, u: int, coef: float, lr: float) -> None:
         buf = self.store.buffers[u]
@@ -529,6 +529,7 @@ class SwapEngine(UnitPasses, EngineState):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
+    @stepping
     def evaluate(self, batches: list[tuple], weights: list[float] | None = None) -> float:
         """Mean loss over batches (weighted: by each one's learned tokens, say), unit-major:
         each unit is loaded once for all of them."""
@@ -540,7 +541,7 @@ class SwapEngine(UnitPasses, EngineState):
         plan = self._plans[key]
         total = torch.zeros((), device=self.backend.device)
         h, targets, docs = {}, {}, {}  # micro -> hidden state, targets, Documents or None
-        self._reload_changed()
+        self._join_side()
         self._begin_loads(plan)
         try:
             self._advance(plan, -1, None)

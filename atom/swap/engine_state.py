@@ -3,6 +3,8 @@ unit at a time), resume, the run state a checkpoint carries, and the units peers
 
 Every reader first waits for the host worker (a step's last updates may still be queued),
 then reads a unit under its lock, so a peer's merge never lands half-way through a copy.
+A unit kept on the card is read from and written to its device slot (the store's reads and
+writes go through atom/swap/card_kept.py), still a unit at a time under its lock.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class EngineState:
         self.store.wait_all_ready()
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 master parameters by model name (views into the host store)."""
+        """fp32 master parameters by model name (views into the host store; copies where
+        it keeps the weights otherwise: compact, paged, or on the card)."""
         self.wait_idle()
         return self.store.named_master()
 

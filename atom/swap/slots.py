@@ -9,7 +9,8 @@ check the bound held rather than trust it.
 Shared slots (prefetch + 1 of them) are each as large as the largest unit and take any
 unit; a unit kept on the device (`swap.resident_units`) has a slot of its own, sized to it:
 a 24 GB card holds Llama 3.1 8B's 32 blocks that way, where slots of its embedding's size
-(a 128k vocabulary: 2.4x a block) would not.
+(a 128k vocabulary: 2.4x a block) would not. One that is updated on the card too is held
+(`hold`) from the engine's start to its close: the slot is its weights' only home.
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ class DeviceSlots:
         self.bytes_loaded += src.nbytes
         self.max_resident = max(self.max_resident, len(self._where))
         return slot
+
+    def hold(self, unit: int) -> torch.Tensor:
+        """The unit's own slot, resident from now on with no copy into it: its contents
+        are the caller's to write (a card-kept unit, atom/swap/card_kept.py)."""
+        slot = self._own[unit]
+        assert slot.state == FREE and unit not in self._where
+        slot.state, slot.unit = RESIDENT, unit
+        self._where[unit] = slot
+        self.max_resident = max(self.max_resident, len(self._where))
+        return slot.flat
 
     def acquire(self, unit: int) -> torch.Tensor:
         """Make compute wait for the unit's copy; return the slot's flat buffer."""

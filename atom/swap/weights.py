@@ -19,7 +19,8 @@ into a RAM slot only while the record is held (as master does with the state tie
 Bytes a step: a streamed unit is read once per load (forward, backward reload: twice
 unit-major, unless it stays on the device across the fwd/bwd turn) and written once.
 Units must be card-updated (a host update would need the copy in RAM beside its master),
-not resident (kept on the device, the update writes their slot) and not tied.
+not resident (kept on the card: their weights live in their device slot, with no copy on
+the host at all, atom/swap/card_kept.py) and not tied.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from atom.ground.errors import ConfigError
 from atom.optim import Region
 from atom.swap.backend import Transfer
+from atom.swap.card_kept import copied
 from atom.swap.card_update import eligible, unit_indices
 from atom.swap.disk_tier import DiskTier, UnitRecord
 from atom.swap.schedule import StepPlan, load_order
@@ -62,19 +64,13 @@ def disk_weight_units(spec: str, units: list[UnitSpec], card: set[int], resident
         elif u not in card:
             why = "is updated on the host, which needs its compute copy in RAM (add it to "
             why += "swap.card_update, or leave it out)"
-        elif u in resident:
-            why = "is resident (kept on the device all step): its compute copy stays in RAM"
+        elif u in resident:  # card-kept: its weights live in its device slot, none on the host
+            why = "is resident and updated on the card: its weights live on the card, with "
+            why += "nothing in RAM to put on the disk (leave it out, or lower swap.resident_units)"
         else:
             continue
         raise ConfigError(f"swap.disk_weights: unit {u} {why}")
     return frozenset(chosen)
-
-
-def _copied(t: Transfer) -> None:
-    """Wait until a copy to the device has read its host source."""
-    t.issued.wait()
-    if t.cuda_event is not None:
-        t.cuda_event.synchronize()
 
 
 class DiskWeights:
@@ -120,7 +116,7 @@ class DiskWeights:
         """Compute took u's copy: the record goes back clean once the copy has read it."""
         t = self._copying.pop(u, None)
         if t is not None:
-            self.tier.release(u, dirty=False, after=lambda: _copied(t))
+            self.tier.release(u, dirty=False, after=lambda: copied(t))
 
     def abandon(self) -> None:
         """A step or evaluation cut short, the device slots freed (their copies done): every
