@@ -46,10 +46,11 @@ BF16_UPDATE_SHARE = 0.9
 # master and moments, write master, moments (and the compute copy), the chunk's copies;
 # bf16: compact's without the remainder's read and write
 CARD_WORK_BYTES = {"fp32": 32, "compact": 24, "bf16": 20}
-# The card update's new state comes down into the pinned staging pool (a DMA write) and
-# the host worker copies it into place (a read and a write: atom/swap/card_update.py
-# `_land`): three passes through host DRAM for each byte down
-CARD_DOWN_DRAM_PASSES = 3
+# The card update's new state comes down by DMA straight into the page-locked host state
+# on CUDA (atom/swap/card_update.py `_land_in_place`: every card unit's state and the NVMe
+# tier's slots come from the pinned arena): one pass through host DRAM for each byte down.
+# (Through the staging pool and a host copy after, as before, it was three.)
+CARD_DOWN_DRAM_PASSES = 1
 
 
 def master_dtype(state: str) -> torch.dtype:

@@ -48,7 +48,7 @@ def test_host_dram_bytes_are_the_plans_own_byte_counts_by_hand():
     steps, the backward reloads those the prefetch did not keep), gradients down in bf16
     (a DMA write, then the landing reads the staging pool and writes the host gradient),
     the host update's 16 + 16/256 bytes a parameter, the card units' remainder and moments
-    up once and down three times (staging, then a copy into place), nothing else."""
+    up once and down once (DMA straight into their page-locked place), nothing else."""
     a, c, hw = _plan("compact")
     p = predict(a, c, hw, estimate_pieces(a, 4, hw), torch.bfloat16)
     n = [u.n_total for u in a.units]
@@ -57,11 +57,11 @@ def test_host_dram_bytes_are_the_plans_own_byte_counts_by_hand():
     grads = 2 * sum(n[i] for i in host)
     landing = (2 + 2) * sum(n[i] for i in host)
     update = (16 + 16 / BLOCK) * sum(a.units[i].n_owned for i in host)
-    card = sum(4 * (2 * n[i] + moment_bytes(n[i])) for i in (2, 3))
+    card = sum(2 * (2 * n[i] + moment_bytes(n[i])) for i in (2, 3))
     want = weights + grads + landing + update + card
     d = p.detail
     assert d["h2d_bytes_per_step"] == weights and d["d2h_grad_bytes_per_step"] == grads
-    assert d["state_up_bytes"] == d["state_down_bytes"] == card / 4  # no weights either way
+    assert d["state_up_bytes"] == d["state_down_bytes"] == card / 2  # no weights either way
     assert d["host_dram_bytes"] == pytest.approx(want, rel=1e-12)
     assert d["host_dram_s"] == pytest.approx(want / hw.host_mem_bps)
 
