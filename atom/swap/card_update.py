@@ -43,7 +43,8 @@ from collections.abc import Callable
 
 import torch
 
-from atom.optim.chunk_update import compact_chunk, compact_scalars, fp32_chunk
+from atom.optim.bf16 import Bf16Scratch
+from atom.optim.chunk_update import bf16_chunk, compact_chunk, compact_scalars, fp32_chunk
 from atom.optim.compact import BLOCK, CHUNK, padded
 from atom.swap.backend import Backend
 from atom.swap.host_store import HostStore
@@ -242,6 +243,8 @@ class CardUpdate:
             with self.backend.side_stream():
                 if self.store.compact:
                     self._compact(u, grad, coef, lr, chunk, slot, from_slot)
+                elif self.store.bf16:
+                    self._bf16(u, grad, coef, lr, chunk, slot, from_slot)
                 else:
                     self._fp32(u, grad, coef, lr, chunk, slot)
             if slot is not None:
@@ -262,7 +265,8 @@ class CardUpdate:
     def _chunk(self, buf) -> int:
         """Elements per chunk: `chunk_limit`, or fewer where two chunks' packed state would
         not fit the D2H staging pool (a small model's pool is one small unit's gradient)."""
-        per = 6 if self.store.compact else 12  # state bytes back per element
+        # state bytes back per element (bf16 state: 4, counted as compact's 6)
+        per = 12 if self.store.master_dtype == torch.float32 else 6
         if not buf.compute_is_master:
             per += buf.compute.element_size()
         pool = self.backend.staging_bytes()
@@ -341,6 +345,37 @@ class CardUpdate:
             out = [w[:n], r[:n], *codes]
             host = [buf.master[start:end], *state_of(piece)]
             return list(zip(out, host, strict=True)) + self._compute_copy(buf, w[:n], start, end)
+
+        self._stream(pieces, host_of, update)
+
+    def _bf16(
+        self, u: int, grad: torch.Tensor, coef: float, lr: float, chunk: int, slot, from_slot: bool
+    ) -> None:
+        """bf16 state (atom/optim/bf16.py): the moments' codes and scales up and back, the
+        bf16 weights up unless the unit's bf16 slot holds them, and back."""
+        buf, opt = self.store.buffers[u], self.optimizers[u]
+        numbers, betas, key = opt.begin_step(lr)
+        pieces = [(s, min(opt.n, s + chunk)) for s in range(0, opt.n, chunk)]
+        slot_master = from_slot and slot.dtype == torch.bfloat16
+        scratch = Bf16Scratch(min(chunk, opt.n), grad.device)  # one chunk's temporaries
+
+        def host_of(piece) -> list[torch.Tensor]:
+            start, end = piece
+            return ([] if slot_master else [buf.master[start:end]]) + list(opt.codes(start, end))
+
+        def update(piece, dev: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            start, end = piece
+            w = slot[start:end] if slot_master else dev[0]
+            codes = dev[-4:]
+            decayed = max(0, min(end - start, opt.n_decay - start))
+            bf16_chunk(grad[start:end], w, codes, coef, numbers, betas, decayed, key, start,
+                       scratch)  # fmt: skip
+            if slot is not None and not slot_master:
+                slot[start:end].copy_(w)
+            host = [buf.master[start:end], *opt.codes(start, end)]
+            return list(zip([w, *codes], host, strict=True)) + self._compute_copy(
+                buf, w, start, end
+            )
 
         self._stream(pieces, host_of, update)
 

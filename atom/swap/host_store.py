@@ -2,7 +2,8 @@
 
 Per unit:
   master   owned params only: what the optimizer updates and checkpoints save; fp32, or
-           bf16 with `rem` (swap.state: compact, atom/optim/compact.py)
+           bf16 with `rem` (swap.state: compact, atom/optim/compact.py); bf16 alone
+           (swap.state: bf16, atom/optim/bf16.py: the weights are the master)
   rem      compact only: int16, the fp32 master's low bits; master + rem is the fp32
            master exactly (atom/optim/remainder.py)
   grad     owned + aliases: gradients land here (accumulated over micro-batches); fp32,
@@ -81,7 +82,8 @@ class HostStore:
         self.units = units
         self.compute_dtype = compute_dtype
         self.compact = state == "compact"
-        self.master_dtype = torch.bfloat16 if self.compact else torch.float32
+        self.bf16 = state == "bf16"  # bf16 master, no remainder
+        self.master_dtype = torch.bfloat16 if self.compact or self.bf16 else torch.float32
         self.paged = paged
         self.tier = None  # the DiskTier, when paged (set by the engine once it is built)
         self.wtier = None  # the weights' DiskTier, with disk_weights (atom/swap/weights.py)
@@ -166,7 +168,7 @@ class HostStore:
         """A copy of the unit's weights in fp32 (master joined with rem when compact)."""
         buf = self.buffers[index]
         if not self.compact:
-            return buf.master.clone()
+            return buf.master.float() if self.bf16 else buf.master.clone()
         return join(buf.master, buf.rem)
 
     def write_master(self, index: int, values: torch.Tensor) -> None:
@@ -246,7 +248,7 @@ class HostStore:
         """fp32 weights by model name: views into master (copies when compact or paged)."""
         out: dict[str, torch.Tensor] = {}
         for i, buf in enumerate(self.buffers):
-            if self.compact or self.paged:
+            if self.compact or self.bf16 or self.paged:
                 with self.paged_in(i, dirty=False):
                     values = self.read_master(i)
             else:
