@@ -25,10 +25,11 @@ device and for any chunking (the card update equals the host update bit for bit)
 resume is exact with no RNG state in the checkpoint.
 
 Non-finite values: NaN stays NaN (its random add is zeroed: a carry out of a NaN's bits
-would wrap into the sign bit, a zero; and its quiet bit set, as torch's conversion does). inf stays inf (its low bits are zero). A finite fp32
-result beyond bf16's largest finite value (3.39e38) rounds up to inf with the probability
-of its fraction, as torchao's does: only a value round-to-nearest would nearly have sent
-there too, far past any weight a training keeps.
+would wrap into the sign bit, a zero; and its quiet bit is set, as torch's conversion
+does). inf stays inf (its low bits are zero). A finite fp32 result beyond bf16's largest
+finite value (3.39e38) rounds up to inf with the probability of its fraction, as
+torchao's does: only a value round-to-nearest would nearly have sent there too, far past
+any weight a training keeps.
 
 Checkpoints hold the same fp32 tensors as the other states (weights, m, v), so a run
 resumes across `swap.state` settings: fp32 or compact weights load rounded to the nearest

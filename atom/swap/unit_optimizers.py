@@ -1,6 +1,7 @@
 """One optimizer per unit, over the unit's state in the host store: torch's AdamW (fp32
-state), CompactAdamW (compact) or Bf16AdamW (bf16), the first decayed parameters first. The moments of units
-updated on the device cross the bus every step, so they are page-locked, in one arena.
+state), CompactAdamW (compact) or Bf16AdamW (bf16), the first decayed parameters first.
+The moments of units updated on the device cross the bus every step, so they are
+page-locked, in one arena.
 """
 
 from __future__ import annotations
@@ -25,8 +26,17 @@ def unit_optimizers(
     if store.bf16:
         scratch = Bf16Scratch(max(b.spec.n_owned for b in bufs))
         return [
-            Bf16AdamW(b.master, b.grad, b.spec.n_owned, b.spec.n_decay, b.spec.index, train,
-                      scratch, paged, moments.get(b.spec.index))  # fmt: skip
+            Bf16AdamW(
+                b.master,
+                b.grad,
+                b.spec.n_owned,
+                b.spec.n_decay,
+                b.spec.index,
+                train,
+                scratch,
+                paged,
+                moments.get(b.spec.index),
+            )  # fmt: skip
             for b in bufs
         ]
     if not store.compact:
