@@ -287,3 +287,16 @@ def test_atom_train_with_bf16_state_through_the_cli(tmp_path, text_dataset, caps
 def test_deepspeed_with_bf16_state_is_refused_in_one_line():
     with pytest.raises((ConfigError, ValueError), match="swap.state=bf16 runs its own"):
         tiny_config(swap={"state": "bf16"}, train={"optimizer": "deepspeed"})
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["ram", "nvme"])
+@pytest.mark.parametrize("resident", [0, 3], ids=["streamed", "kept"])
+def test_the_card_update_on_the_cuda_backend_orders_every_copy(
+    monkeypatch, tmp_path, tier, resident
+):
+    """The fake CUDA (tests/fake_cuda.py) over the bf16 path: every copy waited for, and
+    the bits of the CPU backend's run; kept on the card, the weights come from the slot."""
+    from tests.test_card_update import test_card_update_on_the_cuda_backend_orders_every_copy
+
+    case = ("bf16", 1.0, "eager", resident, torch.bfloat16)
+    test_card_update_on_the_cuda_backend_orders_every_copy(monkeypatch, tmp_path, case, tier)
