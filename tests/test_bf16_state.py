@@ -93,6 +93,16 @@ def test_bf16_values_and_non_finite_ones_round_to_themselves():
     assert torch.equal(got[finite].view(torch.int16), bits[finite])
     assert torch.equal(torch.isnan(got), torch.isnan(every))
     assert torch.equal(torch.isinf(got), torch.isinf(every))
+    # a NaN anywhere takes the masked path: the other elements' bits are the fast path's
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    with_nan = x.clone()
+    with_nan[1234] = math.nan
+    fast, masked = _round(x), _round(with_nan)
+    assert torch.isnan(masked[1234]) and not torch.isnan(fast).any()
+    keep = torch.arange(5000) != 1234
+    assert torch.equal(fast[keep].view(torch.int16), masked[keep].view(torch.int16))
+    plain = _round_plainly(x, random_bits(12345, 0, 5000))
+    assert torch.equal(fast.view(torch.int16), plain.view(torch.int16))
     # NaN of any payload stays NaN, one with its payload all in the low half included
     nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, -0x7FFFFF], dtype=torch.int32)
     assert torch.isnan(_round(nans.view(torch.float32))).all()

@@ -87,7 +87,7 @@ def random_bits(
     out = torch.empty(n, dtype=torch.int64) if out is None else out
     tmp = torch.empty_like(out) if tmp is None else tmp
     torch.arange(start, start + n, out=out)
-    out.bitwise_xor_(key).bitwise_and_(M32)
+    out.bitwise_xor_(key)  # two 32-bit values: 32 bits (a unit holds under 2^32 elements)
     return _mix_(out, tmp).bitwise_right_shift_(16)
 
 
@@ -100,6 +100,12 @@ def round_stochastic(
     moves its magnitude up as for a positive one (torchao's rounding, sign-magnitude)."""
     r, bits = ints
     random_bits(key, start, x.numel(), r, bits)
+    if x.device.type == "cpu" and not torch.isnan(x).any():
+        # the same bits without the NaN masks' eight passes; on a GPU the test would make
+        # the host wait for the device, and the masks cost little there
+        bits.copy_(x.view(torch.int32)).add_(r).bitwise_right_shift_(16)
+        out.view(torch.int16).copy_(bits)
+        return
     # NaN: no add (a carry out of its bits would wrap into the sign bit, a zero), and its
     # quiet bit set (a NaN whose mantissa is all in the low half would truncate to inf).
     # The masks in place, no boolean tensor: 0x7F800000 - |bits| is negative just for
