@@ -218,7 +218,10 @@ class SwapConfig:
     # the fp32 master as bf16 + a 16-bit remainder (exact), bf16 gradient, 8-bit
     # block-scaled moments (8 bytes, and the bf16 half doubles as the bus copy): for models
     # whose fp32 state does not fit host RAM (atom/optim/compact.py). `atom profile` picks
-    # it when fp32 does not fit.
+    # it when fp32 does not fit. "bf16" (opt in; atom/optim/bf16.py): the bf16 weights are
+    # the master (no remainder), 8-bit moments, bf16 gradient, updates rounded to bf16
+    # stochastically (seeded per unit and step: a resume is exact): 4 bytes a parameter
+    # (6 with the gradient), lighter than compact and not bit-exact to fp32.
     state: Literal["fp32", "compact", "bf16"] = "fp32"
     # compact state: update whole chunks of a unit (2^20 parameters) with one loop compiled
     # by torch.compile (needs a C++ compiler; the first run compiles for ~30 s, later runs
@@ -318,10 +321,10 @@ class Config:
             )
         if self.swap.disk_dir is not None and self.train.optimizer == "deepspeed":
             raise ValueError("swap.disk_dir works with train.optimizer=adamw, not deepspeed")
-        if self.swap.state == "compact" and self.train.optimizer == "deepspeed":
+        if self.swap.state != "fp32" and self.train.optimizer == "deepspeed":
             raise ValueError(
-                "swap.state=compact runs its own 8-bit AdamW; use train.optimizer=adamw with "
-                "it (or swap.state=fp32 for DeepSpeedCPUAdam)"
+                f"swap.state={self.swap.state} runs its own 8-bit AdamW; use "
+                "train.optimizer=adamw with it (or swap.state=fp32 for DeepSpeedCPUAdam)"
             )
         return self
 

@@ -88,8 +88,9 @@ DESCRIPTIONS: dict[str, str] = {
     "swap.update": "`exact` (equals plain PyTorch) or `eager` (units update as their "
     "gradients land, clipped by the previous step's norm)",
     "swap.resident_units": "block units kept on the device all step in extra slots",
-    "swap.state": "host state: `fp32` (16 bytes a parameter) or `compact` (8: the fp32 "
-    "master exactly as bf16 + a 16-bit remainder, 8-bit Adam moments)",
+    "swap.state": "host state: `fp32` (16 bytes a parameter), `compact` (8: the fp32 "
+    "master exactly as bf16 + a 16-bit remainder, 8-bit Adam moments) or `bf16` (6, opt "
+    "in: bf16 weights as the master, 8-bit moments, stochastic rounding; not exact)",
     "swap.compile_update": "compact state: update whole chunks with one torch.compile'd "
     "loop (a C++ compiler; ~30 s the first time, cached); falls back to the eager update "
     "with a warning",

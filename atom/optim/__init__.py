@@ -6,6 +6,9 @@
   factory the resident reference uses, so the two stay numerically the same.
 - `compact`: compact state (`swap.state: compact`), 8-bit moments; `compact_kernel` its
   whole-chunk update under torch.compile.
+- `bf16`: bf16 state (`swap.state: bf16`), the bf16 weights as the master, compact's
+  8-bit moments, stochastic rounding (opt in: lighter, not exact).
+- `chunk_update`: one chunk of each format's update on any device (the card update).
 """
 
 from atom.optim.schedule import lr_at

@@ -10,6 +10,8 @@ state there. Same arithmetic as the host update of the same state format:
   the compiled host update's two expressions, on the exact fp32 master (bf16 + remainder),
   its 16-bit halves read and written as int16 (native on a card; the compiled host loop
   reads them as bf16 and writes int32 scratch, for want of int16 vector code).
+- bf16 state: the host update's own chunk function (atom/optim/bf16.py `update_chunk`),
+  on the gradient rounded to bf16 as the host lands it, so the two give the same bits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import math
 
 import torch
 
-from atom.optim.compact_kernel import encode_moments, moments_and_master
+from atom.optim.bf16 import Bf16Scratch, update_chunk
+from atom.optim.compact import CHUNK, padded
+from atom.optim.compact_kernel import BLOCK, encode_moments, moments_and_master
 from atom.optim.state import ADAM_EPS
 
 
@@ -87,3 +91,35 @@ def compact_chunk(
     moments_and_master(grad, hi, rem, m_codes, m_scales, s_codes, s_scales, coef, lr_bc1,
                        rbc2, wd, betas[0], betas[1], m_out, s_out, hi, rem)  # fmt: skip
     encode_moments(m_out, s_out, m_codes, m_scales, s_codes, s_scales)
+
+
+def bf16_chunk(
+    grad: torch.Tensor,
+    w: torch.Tensor,
+    codes: list[torch.Tensor],
+    coef: float,
+    numbers: tuple[float, ...],
+    betas: tuple[float, float],
+    n_decay: int,
+    key: int,
+    start: int,
+    scratch: Bf16Scratch,
+) -> None:
+    """The bf16 update of one device chunk in place: `grad` (fp32, the card's sum), the bf16
+    weights `w`, `codes` (m codes, m scales, sqrt(v) codes, sqrt(v) scales over whole
+    blocks), the step's `numbers` and `key` (Bf16AdamW.begin_step), `start` the chunk's
+    first element in the unit. The gradient is rounded to bf16 first, as the host's
+    landing rounds it (the card and host updates then agree bit for bit), and the chunk
+    is updated CHUNK elements at a time in `scratch`, as the host's (elementwise within
+    each block, so the pieces do not change the bits)."""
+    g16 = grad.to(torch.bfloat16)
+    m_codes, m_scales, s_codes, s_scales = codes
+    for at in range(0, w.numel(), CHUNK):
+        end = min(w.numel(), at + CHUNK)
+        span = padded(end - at)
+        blocks = slice(at // BLOCK, (at + span) // BLOCK)
+        part = (m_codes[at : at + span], m_scales[blocks], s_codes[at : at + span],
+                s_scales[blocks])  # fmt: skip
+        decayed = max(0, min(end - at, n_decay - at))
+        update_chunk(w[at:end], g16[at:end], coef, part, numbers, betas, decayed, key,
+                     start + at, scratch)  # fmt: skip

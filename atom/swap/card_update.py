@@ -46,7 +46,8 @@ from collections.abc import Callable
 
 import torch
 
-from atom.optim.chunk_update import compact_chunk, compact_scalars, fp32_chunk
+from atom.optim.bf16 import Bf16Scratch
+from atom.optim.chunk_update import bf16_chunk, compact_chunk, compact_scalars, fp32_chunk
 from atom.optim.compact import BLOCK, CHUNK, padded
 from atom.swap.backend import Backend
 from atom.swap.host_store import HostStore
@@ -250,6 +251,8 @@ class CardUpdate:
             with self.backend.side_stream():
                 if self.store.compact:
                     self._compact(u, grad, coef, lr, chunk, slot, from_slot)
+                elif self.store.bf16:
+                    self._bf16(u, grad, coef, lr, chunk, slot, from_slot)
                 else:
                     self._fp32(u, grad, coef, lr, chunk, slot)
                 if slot is not None:  # a read of the slot waits for this (card_kept.py)
@@ -270,7 +273,8 @@ class CardUpdate:
     def _chunk(self, buf) -> int:
         """Elements per chunk: `chunk_limit`, or fewer where two chunks' packed state would
         not fit the D2H staging pool (a small model's pool is one small unit's gradient)."""
-        per = 6 if self.store.compact else 12  # state bytes back per element
+        # state bytes back per element (bf16 state: 4, counted as compact's 6)
+        per = 12 if self.store.master_dtype == torch.float32 else 6
         if buf.master_on_card:
             per -= buf.compute.element_size()  # the master stays in the slot
         elif not (buf.compute_is_master or buf.kept):
@@ -356,6 +360,41 @@ class CardUpdate:
             out = [back] * len(master_back) + [r[:n], *codes]
             host = [m[start:end] for m in master_back] + state_of(piece)
             return list(zip(out, host, strict=True)) + self._compute_copy(buf, w[:n], start, end)
+
+        self._stream(pieces, host_of, update)
+
+    def _bf16(
+        self, u: int, grad: torch.Tensor, coef: float, lr: float, chunk: int, slot, from_slot: bool
+    ) -> None:
+        """bf16 state (atom/optim/bf16.py): the moments' codes and scales up and back, the
+        bf16 weights up unless the unit's bf16 slot holds them, and back unless the slot is
+        their only home (a unit kept on the card: `master_on_card`)."""
+        buf, opt = self.store.buffers[u], self.optimizers[u]
+        numbers, betas, key = opt.begin_step(lr)
+        pieces = [(s, min(opt.n, s + chunk)) for s in range(0, opt.n, chunk)]
+        slot_master = from_slot and slot.dtype == torch.bfloat16
+        master_back = [] if buf.master_on_card else [buf.master]
+        scratch = Bf16Scratch(min(chunk, opt.n), grad.device)  # one chunk's temporaries
+
+        def host_of(piece) -> list[torch.Tensor]:
+            start, end = piece
+            return ([] if slot_master else [buf.master[start:end]]) + list(opt.codes(start, end))
+
+        def update(piece, dev: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            start, end = piece
+            w = slot[start:end] if slot_master else dev[0]
+            codes = dev[-4:]
+            decayed = max(0, min(end - start, opt.n_decay - start))
+            bf16_chunk(grad[start:end], w, codes, coef, numbers, betas, decayed, key, start,
+                       scratch)  # fmt: skip
+            if slot is not None and not slot_master:
+                slot[start:end].copy_(w)
+            # the slot itself is rewritten by the next update: a copy of it crosses back (a
+            # copy straight from it would have to be waited for there), as in _compact
+            back = w.clone() if master_back and slot_master else w
+            out = [back] * len(master_back) + list(codes)
+            host = [m[start:end] for m in master_back] + list(opt.codes(start, end))
+            return list(zip(out, host, strict=True)) + self._compute_copy(buf, w, start, end)
 
         self._stream(pieces, host_of, update)
 

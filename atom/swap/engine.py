@@ -85,8 +85,8 @@ class SwapEngine(UnitPasses, EngineState):
         # before any host memory: the widest of what crosses, gradients as computed or the
         # fp32 sums of several micro-batches (the card update's state crosses as bytes in
         # chunks sized to this pool)
-        compact = cfg.swap.state == "compact"
-        crossing = [crossing_dtype(d, compact) for d in (compute_dtype, torch.float32)]
+        bf16_grad = cfg.swap.state != "fp32"  # compact and bf16 state: a bf16 host gradient
+        crossing = [crossing_dtype(d, bf16_grad) for d in (compute_dtype, torch.float32)]
         backend.size_staging(
             max(u.n_total for u in self.units), max(crossing, key=lambda d: d.itemsize)
         )
@@ -382,7 +382,7 @@ class SwapEngine(UnitPasses, EngineState):
         buf = self.store.buffers[u]
         grads = [p_grad] if isinstance(p_grad, torch.Tensor) else p_grad
         self.ledger.sub(sum(g.nbytes for g in grads))
-        cross = crossing_dtype(grads[0].dtype, self.store.compact)
+        cross = crossing_dtype(grads[0].dtype, self.store.master_dtype == torch.bfloat16)
         self.d2h_copies += 1
         self.d2h_bytes += sum(g.numel() for g in grads) * cross.itemsize
         inv_scale = 1.0 / self.scaler.scale if self.scaler else 1.0

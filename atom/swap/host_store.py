@@ -2,7 +2,8 @@
 
 Per unit:
   master   owned params only: what the optimizer updates and checkpoints save; fp32, or
-           bf16 with `rem` (swap.state: compact, atom/optim/compact.py)
+           bf16 with `rem` (swap.state: compact, atom/optim/compact.py); bf16 alone
+           (swap.state: bf16, atom/optim/bf16.py: the weights are the master)
   rem      compact only: int16, the fp32 master's low bits; master + rem is the fp32
            master exactly (atom/optim/remainder.py)
   grad     owned + aliases: gradients land here (accumulated over micro-batches); fp32,
@@ -100,7 +101,8 @@ class HostStore:
         self.units = units
         self.compute_dtype = compute_dtype
         self.compact = state == "compact"
-        self.master_dtype = torch.bfloat16 if self.compact else torch.float32
+        self.bf16 = state == "bf16"  # bf16 master, no remainder
+        self.master_dtype = torch.bfloat16 if self.compact or self.bf16 else torch.float32
         # a bf16 master is the weights themselves (compact: beside a remainder); an fp32
         # one is optimizer state, kept on the host whatever the card holds
         self.master_is_weights = self.master_dtype != torch.float32
@@ -291,7 +293,7 @@ class HostStore:
         the card, each read under the unit's lock)."""
         out: dict[str, torch.Tensor] = {}
         for i, buf in enumerate(self.buffers):
-            if self.compact or self.paged or buf.master_on_card:
+            if self.compact or self.bf16 or self.paged or buf.master_on_card:
                 with self.paged_in(i, dirty=False), buf.lock:
                     values = self.read_master(i)
             else:

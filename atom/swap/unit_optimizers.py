@@ -1,6 +1,7 @@
 """One optimizer per unit, over the unit's state in the host store: torch's AdamW (fp32
-state) or CompactAdamW (compact), the first decayed parameters first. The moments of units
-updated on the device cross the bus every step, so they are page-locked, in one arena.
+state), CompactAdamW (compact) or Bf16AdamW (bf16), the first decayed parameters first.
+The moments of units updated on the device cross the bus every step, so they are
+page-locked, in one arena.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 from atom.config import Config
 from atom.optim import TorchUnitOptimizer
+from atom.optim.bf16 import Bf16AdamW, Bf16Scratch
 from atom.optim.compact import BLOCK, CHUNK, ChunkScratch, CompactAdamW, padded
 from atom.optim.compact_kernel import CompiledChunkUpdate
 from atom.swap.backend import Backend
@@ -17,10 +19,26 @@ from atom.swap.host_store import HostStore
 
 def unit_optimizers(
     cfg: Config, store: HostStore, backend: Backend, card: set[int]
-) -> list[TorchUnitOptimizer | CompactAdamW]:
+) -> list[TorchUnitOptimizer | CompactAdamW | Bf16AdamW]:
     """One optimizer per unit, over its flat master (decayed parameters first)."""
     train, bufs, paged = cfg.train, store.buffers, store.paged
     moments = _card_moments(store, backend, card)
+    if store.bf16:
+        scratch = Bf16Scratch(max(b.spec.n_owned for b in bufs))
+        return [
+            Bf16AdamW(
+                b.master,
+                b.grad,
+                b.spec.n_owned,
+                b.spec.n_decay,
+                b.spec.index,
+                train,
+                scratch,
+                paged,
+                moments.get(b.spec.index),
+            )  # fmt: skip
+            for b in bufs
+        ]
     if not store.compact:
         return [
             TorchUnitOptimizer(
@@ -64,7 +82,7 @@ def _card_moments(
         return {}
 
     def per(n: int) -> list[tuple[int, torch.dtype]]:
-        if not store.compact:
+        if store.master_dtype == torch.float32:
             return [(n, torch.float32)] * 2
         return [(padded(n), torch.uint8)] * 2 + [(padded(n) // BLOCK, torch.float32)] * 2
 

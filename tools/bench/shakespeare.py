@@ -10,6 +10,9 @@ ASCII, so bytes are characters).
     python -m tools.bench.shakespeare ../shared/data/tinyshakespeare.txt \
         --out runs/shakespeare-compact \
         --set swap.state=compact
+    python -m tools.bench.shakespeare ../shared/data/tinyshakespeare.txt \
+        --out runs/shakespeare-bf16 \
+        --set swap.state=bf16
 
 Prints the validation curve as a markdown table and the final val loss (target <= 1.93).
 """
