@@ -41,8 +41,10 @@ STATES = {
     "compact, fp32 compute": ("compact", torch.float32),
     "fp32": ("fp32", torch.float32),
     "fp32, bf16 compute": ("fp32", torch.bfloat16),
+    "bf16": ("bf16", torch.bfloat16),
+    "bf16, fp32 compute": ("bf16", torch.float32),
 }
-TWO = [STATES["compact"], STATES["fp32"]]
+TWO = [STATES["compact"], STATES["fp32"], STATES["bf16"]]
 
 
 def _cfg(state: str, resident: int, clip: float = 0.05, update: str = "exact", card="all"):
@@ -114,7 +116,7 @@ def test_the_host_keeps_nothing_the_card_holds(state, dtype):
         assert kept.persistent == KEPT
         for u in KEPT:
             buf = kept.store.buffers[u]
-            on_card = state == "compact" and dtype == torch.bfloat16
+            on_card = state in ("compact", "bf16") and dtype == torch.bfloat16
             assert buf.kept and buf.master_on_card == on_card
             assert buf.master.numel() == (0 if on_card else buf.spec.n_owned)
             if not buf.compute_is_master:
@@ -122,7 +124,8 @@ def test_the_host_keeps_nothing_the_card_holds(state, dtype):
         saved = ref.store.nbytes() - kept.store.nbytes()
         # bytes a parameter: the bf16 master, an fp32 or bf16 copy, nothing (fp32 master)
         per = {("compact", torch.bfloat16): 2, ("compact", torch.float32): 4,
-               ("fp32", torch.float32): 0, ("fp32", torch.bfloat16): 2}  # fmt: skip
+               ("fp32", torch.float32): 0, ("fp32", torch.bfloat16): 2,
+               ("bf16", torch.bfloat16): 2, ("bf16", torch.float32): 4}  # fmt: skip
         expected = per[state, dtype]
         n = sum(kept.units[u].n_owned for u in KEPT)
         assert saved == card_kept_bytes(_cfg(state, 3), dtype) == expected * n
@@ -139,7 +142,7 @@ def test_the_host_keeps_nothing_the_card_holds(state, dtype):
             engine.close()
 
 
-@pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32"])
+@pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32", "bf16"])
 def test_a_checkpoint_resumes_into_weights_on_the_card(tmp_path, state, dtype):
     """A checkpoint of a kept run, loaded into a fresh kept engine (the slots filled from
     it) and into a host-weights one: evaluation (`atom eval`'s path), the next steps and
@@ -200,7 +203,7 @@ def _cuda_case(engine, cfg, sim=None) -> tuple[list[float], dict]:
     return losses, {**seen, **{f"end/{k}": v for k, v in _seen(engine).items()}}
 
 
-@pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32"])
+@pytest.mark.parametrize("state,dtype", TWO, ids=["compact", "fp32", "bf16"])
 def test_reads_and_writes_of_weights_on_the_card_are_ordered_on_cuda(monkeypatch, state, dtype):
     """The CUDA backend over the fake torch.cuda: a kept unit's reads (checkpoint,
     parameters, peers) wait for its update on the side stream, its writes (initial
