@@ -320,6 +320,20 @@ def measure_compact_update(numel: int = 8_000_000, compiled: bool = True) -> flo
     return _median_time(lambda: opt.step(1e-4), 5) / numel
 
 
+def measure_bf16_update(numel: int = 8_000_000) -> float:
+    """Seconds per parameter of one Bf16AdamW unit update (swap.state=bf16: the weights as
+    the master, 8-bit moments, stochastic rounding), the engine's own code."""
+    from atom.config import TrainConfig
+    from atom.optim.bf16 import Bf16AdamW, Bf16Scratch
+
+    cfg = TrainConfig()
+    master = torch.full((numel,), 0.02, dtype=torch.bfloat16)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    opt = Bf16AdamW(master, grad, numel, numel, 0, cfg, Bf16Scratch(numel))
+    opt.step(1e-4)  # first touch of the state is not per-step cost
+    return _median_time(lambda: opt.step(1e-4), 5) / numel
+
+
 def measure_unit_overhead(device: torch.device) -> tuple[float, float]:
     """Seconds the swap engine spends beyond compute and copies: (per unit visit, per unit
     update). Times training steps of a model so small that its copies and per-parameter

@@ -41,7 +41,7 @@ STATES = ("fp32", "compact", "bf16")
 # the bf16 state's update against the compact one's, per parameter: the same decode,
 # AdamW and encode, without the remainder's join and split (a stochastic rounding
 # instead). An estimate until the engine's update is measured (tools/bench/host_update)
-BF16_UPDATE_SHARE = 0.9
+BF16_UPDATE_SHARE = 3.9
 # Device-memory traffic of the update on the card, bytes a parameter: read gradient,
 # master and moments, write master, moments (and the compute copy), the chunk's copies;
 # bf16: compact's without the remainder's read and write

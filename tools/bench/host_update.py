@@ -1,6 +1,7 @@
 """The host update per parameter: compact state (bf16 + remainder, 8-bit moments), compiled
 (swap.compile_update, the default) and eager, against fp32 state (the norm, torch's fused
-AdamW, the bf16 refresh), as the profiler measures them.
+AdamW, the bf16 refresh), as the profiler measures them; and the bf16 state's update
+(swap.state=bf16: eager, stochastic rounding), whose ratio to compact's the profiler uses.
 
     python -m tools.bench.host_update --threads 2 --rounds 5
     python -m tools.bench.host_update --threads 1
@@ -22,18 +23,24 @@ import statistics
 
 from tools.bench.rounds import interleaved, ratio
 
-KINDS = ("compiled", "eager", "fp32")
+KINDS = ("compiled", "eager", "fp32", "bf16")
 
 
 def measure_one(kind: str, numel: int) -> float:
     """ns per parameter of one update of a unit of `numel` parameters, in this process."""
     import torch
 
-    from atom.profiler.hardware import measure_compact_update, measure_host_optimizer
+    from atom.profiler.hardware import (
+        measure_bf16_update,
+        measure_compact_update,
+        measure_host_optimizer,
+    )
 
     torch.set_flush_denormal(True)  # as atom train does
     if kind == "fp32":
         return measure_host_optimizer(numel, torch.bfloat16)[0] * 1e9
+    if kind == "bf16":
+        return measure_bf16_update(numel) * 1e9
     return measure_compact_update(numel, compiled=kind == "compiled") * 1e9
 
 
@@ -53,11 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     got = interleaved("tools.bench.host_update", KINDS, args.rounds, args.numel, args.threads)
     fig = {k: f"{statistics.median(v):.2f} ({min(v):.2f})" for k, v in got.items()}
-    pairs = [("compiled", "fp32"), ("eager", "fp32"), ("eager", "compiled")]
+    pairs = [("compiled", "fp32"), ("eager", "fp32"), ("eager", "compiled"), ("bf16", "compiled")]
     print(
         f"threads {args.threads or 'default'}, {args.numel:,} parameters, {args.rounds} rounds, "
         f"ns/param, median (fastest): compact compiled {fig['compiled']}, compact eager "
-        f"{fig['eager']}, fp32 {fig['fp32']}; "
+        f"{fig['eager']}, fp32 {fig['fp32']}, bf16 state {fig['bf16']}; "
         + ", ".join(f"{a}/{b} {ratio(got, a, b)}" for a, b in pairs)
     )
     return 0
