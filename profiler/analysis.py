@@ -186,6 +186,7 @@ class ModelAnalysis:
         (their gradient is summed on the device). kept: units whose weights live on the card
         alone (state_formats.weights_stay): no bus copy on the host, nor the bf16 master
         it is in compact and bf16 state."""
+        from atom.optim.bf16 import SCRATCH_BYTES as BF16_SCRATCH_BYTES
         from atom.optim.compact import BLOCK, CHUNK, SCRATCH_BUFFERS, padded
 
         compact = state != "fp32"  # 8-bit moments, bf16 master and gradient, scratch
@@ -195,7 +196,9 @@ class ModelAnalysis:
             master_dtype
         )
         largest = max(u.n_owned for u in self.units)
-        scratch = SCRATCH_BUFFERS * min(CHUNK, padded(largest)) * 4 if compact else 0
+        # the update's chunk of temporaries (atom/optim/compact.py ChunkScratch, bf16.py's)
+        per = {"fp32": 0, "compact": SCRATCH_BUFFERS * 4, "bf16": BF16_SCRATCH_BYTES}[state]
+        scratch = per * min(CHUNK, padded(largest))
         if disk:
             copies = sum(u.n_total for u in self.units) * dtype_bytes(dtype)
             return int(

@@ -62,7 +62,7 @@ def _assert_same(got: dict, want: dict) -> None:
         assert torch.equal(got[name], tensor), name
 
 
-@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("state", ["fp32", "compact", "bf16"])
 @pytest.mark.parametrize("card", CARDS)
 def test_units_updated_on_the_card_have_no_host_gradient(state, card, monkeypatch):
     """Every card unit's host gradient is empty, every other unit's whole, after a step;
@@ -184,7 +184,7 @@ def _held_after_a_step(card: str, state: str) -> int:
     def held(engine):
         engine.wait_idle()
         total = engine.store.nbytes()
-        if state == "compact":
+        if state != "fp32":  # compact, bf16: 8-bit moments and the update's scratch
             total += sum(o.nbytes() for o in engine.optimizers)
             return total + engine.optimizers[0].scratch.nbytes
         keys = ("exp_avg", "exp_avg_sq")
@@ -193,7 +193,7 @@ def _held_after_a_step(card: str, state: str) -> int:
     return _run(_cfg(card, state), torch.float32, steps=1, then=held)[3]
 
 
-@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("state", ["fp32", "compact", "bf16"])
 @pytest.mark.parametrize("card", CARDS)
 def test_the_host_ram_estimate_leaves_out_the_card_units_gradients(state, card):
     """host_bytes_needed (the trainer's up-front refusal) against what the engine holds
@@ -217,7 +217,7 @@ def test_a_bad_card_unit_list_is_refused_by_the_estimate_as_by_the_engine():
         host_bytes_needed(_cfg("9", "fp32"), torch.float32)
 
 
-@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("state", ["fp32", "compact", "bf16"])
 @pytest.mark.parametrize("card", ["all", "1-2"])
 def test_with_the_nvme_tier_card_units_have_no_host_gradient_either(state, card, tmp_path):
     """The tier pages master and moments; RAM keeps the compute copies and the gradients,
@@ -232,7 +232,7 @@ def test_with_the_nvme_tier_card_units_have_no_host_gradient_either(state, card,
             u in CARD_UNITS[card] for u in range(len(engine.units))
         ]
         total = engine.store.nbytes() + engine.tier.slot_bytes
-        return total + (engine.optimizers[0].scratch.nbytes if state == "compact" else 0)
+        return total + (engine.optimizers[0].scratch.nbytes if state != "fp32" else 0)
 
     got = _run(cfg, torch.float32, steps=1, then=held)[3]
     assert host_bytes_needed(cfg, torch.float32)[1] == got

@@ -117,6 +117,11 @@ def round_stochastic(
     out.view(torch.int16).copy_(bits)  # the upper half, which fits int16 for every non-NaN
 
 
+# a chunk's temporaries: fp32 operands, and the rounding's int64 random bits and work
+SCRATCH_FP32, SCRATCH_INT64 = 6, 2
+SCRATCH_BYTES = 4 * SCRATCH_FP32 + 8 * SCRATCH_INT64  # an element of a chunk
+
+
 class Bf16Scratch:
     """The temporaries of one chunk's update: five fp32 (gradient, weight, two moments, the
     update), one for the moments' codec, two int64 for the rounding. Shared by the unit
@@ -125,8 +130,10 @@ class Bf16Scratch:
 
     def __init__(self, largest: int, device: torch.device | str = "cpu"):
         size = min(CHUNK, padded(largest))
-        self._f = [torch.empty(size, device=device) for _ in range(6)]
-        self._i = [torch.empty(size, dtype=torch.int64, device=device) for _ in range(2)]
+        self._f = [torch.empty(size, device=device) for _ in range(SCRATCH_FP32)]
+        self._i = [
+            torch.empty(size, dtype=torch.int64, device=device) for _ in range(SCRATCH_INT64)
+        ]
 
     @property
     def nbytes(self) -> int:

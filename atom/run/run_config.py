@@ -142,11 +142,11 @@ def _card_units(cfg: Config) -> tuple[list, set[int]]:
 def card_grad_bytes(cfg: Config) -> int:
     """The host gradient the units updated on the device (swap.card_update) do not have
     (atom/swap/host_store.py allocates none; their gradient stays on the device): n_total
-    elements of the master's dtype (4 bytes, 2 in compact state) per card unit."""
+    elements of the master's dtype (4 bytes, 2 in compact and bf16 state) per card unit."""
     if cfg.swap.card_update.strip() in ("", "none"):
         return 0  # no second meta build of the model
     units, card = _card_units(cfg)
-    per = 2 if cfg.swap.state == "compact" else 4  # bf16 or fp32, the master's dtype
+    per = 4 if cfg.swap.state == "fp32" else 2  # fp32 or bf16, the master's dtype
     return sum(units[u].n_total for u in card) * per
 
 
