@@ -199,21 +199,29 @@ class ModelAnalysis:
         # the update's chunk of temporaries (atom/optim/compact.py ChunkScratch, bf16.py's)
         per = {"fp32": 0, "compact": SCRATCH_BUFFERS * 4, "bf16": BF16_SCRATCH_BYTES}[state]
         scratch = per * min(CHUNK, padded(largest))
-        if disk:
-            copies = sum(u.n_total for u in self.units) * dtype_bytes(dtype)
+        if disk:  # a kept unit's slot is its compute copy (master stays in the record)
+            copies = sum(u.n_total for u in self.units if u.index not in kept) * dtype_bytes(
+                dtype
+            )
             return int(
                 grads + copies + scratch + max(2, disk_slots) * max(self.record_bytes(state))
             )
         moments = self.n_params * (2 + 8 / BLOCK) if compact else self.n_params * 8
         # fp32 master, or bf16 master + int16 remainder; bf16 state: the bf16 weights
         per_master = 2 if state == "bf16" else 4
+        def same(u: UnitInfo) -> bool:  # master is the compute copy (host_store's rule)
+            return dtype == master_dtype and u.n_total == u.n_owned
+
+        # a kept unit: no compute copy on the host; where master is that copy and a bf16
+        # one, no master either (host_store.kept_host_bytes)
         masters = sum(
-            (per_master - 2 * compact * (u.index in kept)) * u.n_owned for u in self.units
+            (per_master - 2 * compact * (u.index in kept and same(u))) * u.n_owned
+            for u in self.units
         )
         copies = sum(
             u.n_total * dtype_bytes(dtype)
             for u in self.units
-            if (dtype != master_dtype or u.n_total != u.n_owned) and u.index not in kept
+            if not same(u) and u.index not in kept
         )
         return int(masters + moments + grads + copies + scratch)
 

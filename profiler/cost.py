@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from atom.config import SwapConfig
+from atom.profiler import state_formats
 from atom.profiler.analysis import ModelAnalysis, UnitInfo, dtype_bytes
 from atom.profiler.hardware import HardwareSpec
 from atom.profiler.state_formats import (
@@ -39,7 +40,6 @@ from atom.profiler.state_formats import (
     master_dtype,
     pinned_state_per_param,
     update_dram_bytes,
-    weights_stay,
 )
 from atom.profiler.timing import PieceTimes
 from atom.swap.card_update import DEVICE_CHUNK
@@ -144,10 +144,10 @@ def resident_set(a: ModelAnalysis, c: Candidate) -> frozenset[int]:
 
 
 def kept_units(a: ModelAnalysis, c: Candidate, dtype: torch.dtype) -> frozenset[int]:
-    """Units whose weights live on the card alone: kept there across steps and updated
-    there, where the engine keeps no host copy of them (state_formats.weights_stay); not on
-    the NVMe tier, whose records hold every unit's master."""
-    if c.disk_tier or not weights_stay(c.state, dtype):
+    """Units kept on the card across steps and updated there: the engine keeps no host
+    compute copy of them (their slot is the copy; atom/swap/host_store.py), nor, where the
+    state's bf16 master is that copy itself (not paged to the NVMe tier), the master."""
+    if not state_formats.ENGINE_CARD_WEIGHTS_STAY:
         return frozenset()
     return resident_set(a, c) & card_units(a, c)
 
@@ -406,7 +406,7 @@ def predict(
     stay = kept_units(a, c, dtype)
     for i in sorted(card):
         up[i], down[i] = card_state_bytes(units[i], c.state, dtype, i in persistent,
-                                          i in stay)  # fmt: skip
+                                          i in stay, c.disk_tier)  # fmt: skip
         work[i] = card_work_s(units[i], c.state, hw)
     last, last_bus, card_serial = _last_backward(
         units, body, card, up, down, work, bwd_c, bwd_x, d2h, hw, c.prefetch, timing
@@ -443,12 +443,14 @@ def predict(
     # twice its bytes through DRAM (an fp32 add, accum_s_per_param, moves 12 a parameter)
     card_land = 2 * sum(down.values()) * hw.accum_s_per_param / 12 if cuda else 0.0
     disk_io = first_read = 0.0
+    disk_bound = False  # the disk's reads and writes outlast the host's updates
     if c.disk_tier:
         # every unit's record is read before its update and written back after it; reads
         # and writes share the disk, and run ahead of / behind the updates
         records = a.record_bytes(c.state)
         disk_io = sum(records) * (1 / hw.disk_read_bps + 1 / hw.disk_write_bps)
         first_read = records[0] / hw.disk_read_bps
+        disk_bound = disk_io > optimizer
         optimizer = max(optimizer, disk_io)
     if hw.host_shares_compute:
         tail = optimizer + landing  # the CPU backend's host work takes the same cores
@@ -470,6 +472,8 @@ def predict(
     compute_s = passes * (sum(fwd_c_all) + sum(bwd_c)) + sum(work.values())
     bus_s = fwd_bus + (passes - 1) * (fwd_later_bus + bwd_bus) + last_bus + card_serial
     bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
+    if bottleneck == "host" and disk_bound:
+        bottleneck = "disk"  # the host's tail is the NVMe tier's reads and writes
     tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
     first_fwd = sum(u.n_total for u in units if u.index not in persistent) * dt
     later_fwd = sum(u.n_total for u in units if u.index not in resident) * dt

@@ -30,13 +30,15 @@ from atom.profiler.bandwidth import median_time as _median_time
 log = logging.getLogger(__name__)
 
 GiB = 2**30
-# One core's time for a compact unit update, ns per parameter: 7.8 on an EPYC core for the
-# eager update (`python -m tools.bench.host_update --threads 1`, docs/benchmarks.md, 6-7x
-# torch's fused fp32 update); the compiled one (swap.compile_update, the default; in two
-# loops since 2026-11-27) ran 2.3-4.4x faster than the eager one on the same cores, side
-# by side (1 and 2 threads): 7.8 / 2.3. Presets assume 4 cores' worth: a desktop's 8 at
-# the scaling measured here (2 threads ran 1.4-1.5x faster than one).
-COMPACT_NS_PER_CORE = 3.4
+# One core's time for a compact unit update, ns per parameter: the compiled update
+# (swap.compile_update, the default) measured on this project's 2-core x86 VM, one thread,
+# quiet (load 1.0), 2026-12-07: 6.30 (fastest 5.92), 3.00x torch's fused fp32 update
+# beside it (`python -m tools.bench.host_update --threads 1 --rounds 3`, docs/benchmarks.md;
+# since its loops hold no int16, issue 49). It was 3.4 until then, derived from the eager
+# figure over a speed-up measured before the remainder state: 2.6x optimistic against the
+# code of the time. Presets assume 4 cores' worth: a desktop's 8 at the scaling measured
+# here (2 threads ran 1.4-1.5x faster than one).
+COMPACT_NS_PER_CORE = 6.3
 COMPACT_PRESET_CORES = 4
 
 

@@ -268,8 +268,8 @@ def host_memory_note(p, hw: hardware.HardwareSpec) -> list[str]:
 
 def _bf16_rival(cfg, hw, dtype, target, times_for, max_writes, analyses) -> list[str]:
     """Where the user did not choose the bf16 state: what it would give, in one line."""
-    if cfg.swap.state == "bf16":
-        return []
+    if cfg.swap.state == "bf16" or cfg.train.optimizer != "adamw":
+        return []  # chosen already, or an optimizer of the user's the bf16 state replaces
     light = replace(cfg, swap={"state": "bf16"})
     try:
         found = search(light, hw, dtype, target, times_for, max_writes, analyses=analyses)

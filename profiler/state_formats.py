@@ -77,7 +77,12 @@ def weights_stay(state: str, dtype: torch.dtype) -> bool:
 
 
 def card_state_bytes(
-    u: UnitInfo, state: str, dtype: torch.dtype, persistent: bool, stay: bool | None = None
+    u: UnitInfo,
+    state: str,
+    dtype: torch.dtype,
+    persistent: bool,
+    stay: bool | None = None,
+    paged: bool = False,
 ) -> tuple[float, float]:
     """(up, down): bytes of a card-updated unit's optimizer state over the bus per update,
     as atom/swap/card_update.py moves them.
@@ -85,10 +90,9 @@ def card_state_bytes(
     fp32: master and both moments each way (12 bytes a parameter), and down the compute
     copy where it is not the master. compact: the 16-bit remainder and the moments each way;
     bf16: the moments each way. Both bring the bf16 master up but for a unit kept on the
-    card across steps in a bf16 step (read from its slot), and down (the host's copy stays
-    current for checkpoints and peers) but where its weights stay on the card
-    (`stay`; by default a persistent unit where `weights_stay`); other compute dtypes also
-    bring the compute copy down."""
+    card across steps in a bf16 step (read from its slot), and down but where the slot is
+    its only home (kept, `stay`, bf16 compute, not `paged` to the NVMe tier); other compute
+    dtypes also bring the compute copy down, but for a kept unit (its slot is the copy)."""
     n = u.n_total
     dt = dtype_bytes(dtype)
     if stay is None:
@@ -99,7 +103,8 @@ def card_state_bytes(
     state_bytes = moment_bytes(n) + (2 * n if state == "compact" else 0)
     bf16 = dtype == torch.bfloat16
     up = state_bytes + (0 if bf16 and persistent else 2 * n)
-    down = state_bytes + (0 if stay else 2 * n + (0 if bf16 else dt * n))
+    master_back = 0 if stay and bf16 and not paged else 2 * n
+    down = state_bytes + master_back + (0 if bf16 or stay else dt * n)
     return float(up), float(down)
 
 

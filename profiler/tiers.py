@@ -308,7 +308,7 @@ def placements(placer, shape: Candidate) -> list[tuple[Candidate, Prediction]]:
             if c.offload_activations and c.acts_on_card >= placer.n_blocks:
                 c = replace(c, offload_activations=False, acts_on_card=0)  # none offloaded
             s = split(placer.a, c, placer.dtype, placer.hw)
-            stay = state_formats.weights_stay(c.state, placer.dtype)
+            stay = state_formats.ENGINE_CARD_WEIGHTS_STAY  # no host copy of kept units
             while c.resident_units and s.ram > placer.hw.host_mem and not stay:
                 # a unit kept on the card keeps its weights in RAM (unless they stay on
                 # the card alone): fewer, where RAM is short

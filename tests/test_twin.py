@@ -42,7 +42,7 @@ def _train(cfg, steps: int = STEPS):
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    return twin_plan(tmp_path_factory.mktemp("twin-plan"), *twin_caps(0.5))
+    return twin_plan(tmp_path_factory.mktemp("twin-plan"), *twin_caps(0.3))
 
 
 @pytest.mark.slow
