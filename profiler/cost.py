@@ -472,8 +472,8 @@ def predict(
     compute_s = passes * (sum(fwd_c_all) + sum(bwd_c)) + sum(work.values())
     bus_s = fwd_bus + (passes - 1) * (fwd_later_bus + bwd_bus) + last_bus + card_serial
     bottleneck = "bus" if bus_s > 0.1 * step else ("host" if tail > 0.25 * step else "compute")
-    if bottleneck == "host" and disk_bound:
-        bottleneck = "disk"  # the host's tail is the NVMe tier's reads and writes
+    if disk_bound and tail > 0.25 * step:
+        bottleneck = "disk"  # the step's tail is the NVMe tier's reads and writes
     tokens = c.micro_batch * c.grad_accum * a.cfg.model.seq_len
     first_fwd = sum(u.n_total for u in units if u.index not in persistent) * dt
     later_fwd = sum(u.n_total for u in units if u.index not in resident) * dt

@@ -21,7 +21,7 @@ import argparse
 import logging
 import re
 
-from atom.config import ConfigError, load_config
+from atom.config import ConfigError, load_config, replace
 from atom.profiler.hardware import PRESETS, GiB
 from atom.profiler.planner import Infeasible, describe_host
 from atom.profiler.profile import run_profile
@@ -129,10 +129,17 @@ def main(argv: list[str] | None = None) -> int:
         "--models", nargs="+", metavar="CONFIG",
         help=f"a row per model on the first of --cards, beside torchtune (e.g. {' '.join(MODELS)})",
     )  # fmt: skip
+    ap.add_argument(
+        "--state", choices=["fp32", "compact", "bf16"], default=None,
+        help="the host state (swap.state) every plan keeps (default: the profiler's choice "
+        "among the exact ones; bf16 only when asked)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
         cfg = load_config(args.config)
+        if args.state:
+            cfg = replace(cfg, swap={"state": args.state})
         if args.models:
             for batch in args.batch or [64]:
                 print(f"\n{PRESETS[args.cards[0]]['name']}, batch {batch} x {cfg.model.seq_len}"
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n`{args.config}`, batch {batch} x {cfg.model.seq_len} tokens "
             f"(`atom profile --config {args.config} --hardware CARD --host-mem N"
-            f"GiB --batch {batch}`):\n"
+            f"GiB --batch {batch}{f' --set swap.state={args.state}' if args.state else ''}`):\n"
         )
         print(table(cfg, batch, args.hosts, args.cards))
     return 0
