@@ -31,7 +31,8 @@ from tests.test_swap_equivalence import batches_for
 STEPS = 2  # eager: the second step clips by the first one's norm
 CARDS = ["all", "1-2", "none"]
 CARD_UNITS = {"all": {0, 1, 2, 3, 4}, "1-2": {1, 2}, "none": set()}  # embed, 3 blocks, head
-DTYPE = {"fp32": torch.float32, "compact": torch.bfloat16}  # compact: compute is master
+# compact and bf16: compute is master
+DTYPE = {"fp32": torch.float32, "compact": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def _cfg(card: str, state: str, update: str = "exact", order: str = "unit", accum: int = 2):
@@ -78,7 +79,7 @@ def test_units_updated_on_the_card_have_no_host_gradient(state, card, monkeypatc
     *_, full, (_, n_total) = _run(cfg, DTYPE[state], steps=1, then=grads)
     assert units == CARD_UNITS[card]
     assert numels == [0 if u in units else n for u, n in enumerate(n_total)]
-    itemsize = 2 if state == "compact" else 4  # the gradient has the master's dtype
+    itemsize = 4 if state == "fp32" else 2  # the gradient has the master's dtype
     assert full - nbytes == sum(n_total[u] for u in units) * itemsize
 
 
